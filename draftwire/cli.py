@@ -1,0 +1,233 @@
+"""The `draftwire` command: serve, generate, reference, chat, demo. Builds the typed configs once here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from verifier_service.rules import SamplingParams
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+
+
+def _add_prompt(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text, tokenized by this side's tokenizer")
+    g.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="key of the sampling noise (random if unset)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate max-new-tokens whatever the target says"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _sampling(args) -> SamplingParams:
+    seed = args.seed if args.seed is not None else (secrets.randbits(63) if args.temperature > 0 else 0)
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed
+    ).validate()
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftwire", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the verifier (gRPC) for a transformers target")
+    p.add_argument("--target", type=Path, required=True, help="transformers model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed)")
+    p.add_argument("--max-gamma", type=int, default=16)
+    p.add_argument("--max-message-bytes", type=int, default=1 << 20)
+
+    p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
+    p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    _add_prompt(p)
+    _add_sampling(p)
+
+    p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
+    p.add_argument("--target", type=Path, required=True)
+    _add_prompt(p)
+    _add_sampling(p)
+
+    p = sub.add_parser("chat", help="terminal chat against a verifier")
+    p.add_argument("--server", required=True)
+    p.add_argument("--draft", type=Path, required=True)
+    _add_chat(p)
+
+    p = sub.add_parser("demo", help="start a verifier on a free loopback port with the demo pair and chat")
+    p.add_argument("--prompt", help="answer this once and exit")
+    p.add_argument(
+        "--models", type=Path, default=None, help="model pair directory (default: the built-in pair)"
+    )
+    _add_chat(p)
+    return ap
+
+
+def _add_chat(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return {
+            "serve": _serve,
+            "generate": _generate,
+            "reference": _reference,
+            "chat": _chat,
+            "demo": _demo,
+        }[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args) -> int:
+    from verifier_service.engine import TargetEngine
+    from verifier_service.servicer import ServerConfig
+    from verifier_service.session import VerifierLimits
+
+    config = ServerConfig(
+        args.host, args.port, args.max_message_bytes, VerifierLimits(max_gamma=args.max_gamma)
+    )
+    engine = TargetEngine.load(args.target)
+    asyncio.run(_serve_until_signal(engine, config))
+    return 0
+
+
+async def _serve_until_signal(engine, config) -> None:
+    from verifier_service.servicer import start_server
+
+    server, port = await start_server(engine, config)
+    print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    options = [("grpc.max_receive_message_length", 1 << 22), ("grpc.max_send_message_length", 1 << 22)]
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def _drafter(path: Path):
+    from edge_client.drafter import DrafterConfig, LlamaDrafter
+
+    return LlamaDrafter(DrafterConfig(model_path=path))
+
+
+def _emit(args, token_ids: list[int], text: str, stats: dict) -> None:
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text, "stats": stats}))
+    else:
+        print(text)
+
+
+def _generate(args) -> int:
+    from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
+
+    drafter = _drafter(args.draft)
+    prompt = args.prompt_ids if args.prompt_ids is not None else tuple(drafter.tokenize(args.prompt))
+    request = GenerationRequest(
+        prompt, _sampling(args), args.max_new_tokens, args.gamma, ignore_eos=args.ignore_eos
+    )
+
+    async def run() -> tuple[list[int], GenerationStats]:
+        async with _channel(args.server) as channel:
+            return await EdgeSession(channel, drafter).run(request)
+
+    try:
+        tokens, stats = asyncio.run(run())
+    except VerifierError as e:
+        print(f"draftwire: verifier refused: {e}", file=sys.stderr)
+        return 1
+    _emit(args, tokens, drafter.detokenize(tokens).decode("utf-8", "replace"), stats.as_json())
+    return 0
+
+
+def _reference(args) -> int:
+    from transformers import AutoTokenizer
+
+    from verifier_service.engine import TargetEngine
+    from verifier_service.session import SessionError, SessionSpec, reference_decode
+
+    engine = TargetEngine.load(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompt = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer(args.prompt)["input_ids"])
+    spec = SessionSpec(prompt, _sampling(args), args.max_new_tokens, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    try:
+        tokens = reference_decode(engine, spec)
+    except SessionError as e:
+        print(f"draftwire: {e}", file=sys.stderr)
+        return 1
+    n = len(tokens)
+    stats = {
+        "rounds": n,
+        "draft_tokens": 0,
+        "accepted_tokens": 0,
+        "acceptance_rate": 0.0,
+        "tokens_per_round": 1.0 if n else 0.0,
+        "wall_s": time.perf_counter() - start,
+    }
+    _emit(args, tokens, tokenizer.decode(tokens, skip_special_tokens=True), stats)
+    return 0
+
+
+def _chat_config(args):
+    from edge_client.chat import ChatConfig
+
+    return ChatConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, sampling=_sampling(args))
+
+
+def _chat(args) -> int:
+    from edge_client.chat import chat
+    from edge_client.session import EdgeSession
+
+    drafter = _drafter(args.draft)
+
+    async def run() -> None:
+        async with _channel(args.server) as channel:
+            await chat(EdgeSession(channel, drafter), _chat_config(args), sys.stdout)
+
+    asyncio.run(run())
+    return 0
+
+
+def _demo(args) -> int:
+    from draftwire.demo import run_demo
+
+    return asyncio.run(run_demo(args.models, _chat_config(args), args.prompt))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated code of the draftwire.v1 wire contract (proto/draftwire/v1/draftwire.proto)."""

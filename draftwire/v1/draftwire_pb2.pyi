@@ -1,0 +1,263 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = (
+        "target_id",
+        "vocab_size",
+        "tokenizer_fingerprint",
+        "max_gamma",
+        "max_context",
+        "special_tokens",
+        "chat_template",
+        "max_message_bytes",
+    )
+    TARGET_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    target_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_gamma: int
+    max_context: int
+    special_tokens: SpecialTokens
+    chat_template: str
+    max_message_bytes: int
+    def __init__(
+        self,
+        target_id: str | None = ...,
+        vocab_size: int | None = ...,
+        tokenizer_fingerprint: str | None = ...,
+        max_gamma: int | None = ...,
+        max_context: int | None = ...,
+        special_tokens: SpecialTokens | _Mapping | None = ...,
+        chat_template: str | None = ...,
+        max_message_bytes: int | None = ...,
+    ) -> None: ...
+
+class SpecialTokens(_message.Message):
+    __slots__ = ("bos_token_id", "eos_token_ids", "pad_token_id")
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    bos_token_id: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pad_token_id: int
+    def __init__(
+        self,
+        bos_token_id: int | None = ...,
+        eos_token_ids: _Iterable[int] | None = ...,
+        pad_token_id: int | None = ...,
+    ) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(
+        self,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+    ) -> None: ...
+
+class StopConditions(_message.Message):
+    __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(
+        self,
+        max_new_tokens: int | None = ...,
+        stop_token_ids: _Iterable[int] | None = ...,
+        ignore_eos: bool | None = ...,
+    ) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = (
+        "prompt_token_ids",
+        "sampling",
+        "stop",
+        "tokenizer_fingerprint",
+        "generated_token_ids",
+        "vocab_size",
+    )
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    stop: StopConditions
+    tokenizer_fingerprint: str
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    vocab_size: int
+    def __init__(
+        self,
+        prompt_token_ids: _Iterable[int] | None = ...,
+        sampling: SamplingParams | _Mapping | None = ...,
+        stop: StopConditions | _Mapping | None = ...,
+        tokenizer_fingerprint: str | None = ...,
+        generated_token_ids: _Iterable[int] | None = ...,
+        vocab_size: int | None = ...,
+    ) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("round", "start_position", "draft_token_ids")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    start_position: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(
+        self,
+        round: int | None = ...,
+        start_position: int | None = ...,
+        draft_token_ids: _Iterable[int] | None = ...,
+    ) -> None: ...
+
+class EdgeMessage(_message.Message):
+    __slots__ = ("open", "proposal")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    proposal: Proposal
+    def __init__(
+        self, open: OpenSession | _Mapping | None = ..., proposal: Proposal | _Mapping | None = ...
+    ) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session_id", "committed_length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed_length: int
+    def __init__(self, session_id: str | None = ..., committed_length: int | None = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = (
+        "round",
+        "start_position",
+        "accepted",
+        "target_token_id",
+        "finish_reason",
+        "stale",
+        "committed_length",
+        "target_positions",
+    )
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    start_position: int
+    accepted: int
+    target_token_id: int
+    finish_reason: FinishReason
+    stale: bool
+    committed_length: int
+    target_positions: int
+    def __init__(
+        self,
+        round: int | None = ...,
+        start_position: int | None = ...,
+        accepted: int | None = ...,
+        target_token_id: int | None = ...,
+        finish_reason: FinishReason | str | None = ...,
+        stale: bool | None = ...,
+        committed_length: int | None = ...,
+        target_positions: int | None = ...,
+    ) -> None: ...
+
+class VerifierMessage(_message.Message):
+    __slots__ = ("opened", "verdict")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    verdict: Verdict
+    def __init__(
+        self, opened: SessionOpened | _Mapping | None = ..., verdict: Verdict | _Mapping | None = ...
+    ) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = (
+        "active_sessions",
+        "sessions_opened",
+        "rounds",
+        "generated_tokens",
+        "round_positions",
+        "prefill_positions",
+        "target_positions_per_token",
+    )
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POSITIONS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    active_sessions: int
+    sessions_opened: int
+    rounds: int
+    generated_tokens: int
+    round_positions: int
+    prefill_positions: int
+    target_positions_per_token: float
+    def __init__(
+        self,
+        active_sessions: int | None = ...,
+        sessions_opened: int | None = ...,
+        rounds: int | None = ...,
+        generated_tokens: int | None = ...,
+        round_positions: int | None = ...,
+        prefill_positions: int | None = ...,
+        target_positions_per_token: float | None = ...,
+    ) -> None: ...

@@ -1,0 +1,113 @@
+"""The terminal chat: reads a turn, streams the reply as rounds are committed, then shows the figures."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+import jinja2
+
+from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from verifier_service.rules import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    gamma: int = 4
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+
+
+def render_chat(template: str, messages: list[dict[str, str]], bos: str, eos: str) -> str:
+    """Formats the conversation with the target tokenizer's chat template (Jinja, as transformers
+    renders it), ending with the prompt for the assistant's turn."""
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
+    )
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+async def reply(
+    session: EdgeSession, messages: list[dict[str, str]], config: ChatConfig, out: TextIO
+) -> tuple[str, GenerationStats]:
+    """Streams one assistant reply to `out`; returns its text and figures."""
+    info = await session.model_info()
+    drafter = session.drafter
+    if info.chat_template:
+        bos = _piece(
+            drafter,
+            info.special_tokens.bos_token_id if info.special_tokens.HasField("bos_token_id") else None,
+        )
+        eos = _piece(
+            drafter, info.special_tokens.eos_token_ids[0] if info.special_tokens.eos_token_ids else None
+        )
+        text = render_chat(info.chat_template, messages, bos, eos)
+        prompt = drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    else:
+        prompt = drafter.tokenize(messages[-1]["content"])
+    request = GenerationRequest(tuple(prompt), config.sampling, config.max_new_tokens, config.gamma)
+    stats = GenerationStats()
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    eos_ids = set(info.special_tokens.eos_token_ids)
+    parts = []
+    async for tokens in session.generate(request, stats):
+        piece = decoder.decode(drafter.detokenize([t for t in tokens if t not in eos_ids]))
+        parts.append(piece)
+        out.write(piece)
+        out.flush()
+    parts.append(decoder.decode(b"", final=True))
+    out.write(parts[-1] + "\n")
+    return "".join(parts), stats
+
+
+def summary(stats: GenerationStats) -> str:
+    speed = stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0
+    return (
+        f"[{stats.generated_tokens} tokens in {stats.rounds} rounds, acceptance {stats.acceptance_rate:.0%}, "
+        f"{stats.tokens_per_round:.2f} tokens/round, {speed:.1f} tokens/s]"
+    )
+
+
+async def chat(
+    session: EdgeSession,
+    config: ChatConfig,
+    out: TextIO,
+    read_line: Callable[[str], str] = input,
+    once: str | None = None,
+) -> None:
+    """The chat loop; `once` answers that one message and returns. Ends on EOF or an empty line."""
+    info = await session.model_info()
+    mode = "chat template" if info.chat_template else "plain completion"
+    out.write(f"draftwire chat with {info.target_id} ({mode}); an empty line or Ctrl-D ends.\n")
+    messages: list[dict[str, str]] = []
+    while True:
+        if once is not None:
+            line = once
+        else:
+            try:
+                line = await asyncio.to_thread(read_line, "you> ")
+            except EOFError:
+                break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        out.write("draftwire> ")
+        text, stats = await reply(session, messages, config, out)
+        messages.append({"role": "assistant", "content": text})
+        out.write(summary(stats) + "\n")
+        if once is not None:
+            break
+
+
+def _piece(drafter, token_id: int | None) -> str:
+    if token_id is None:
+        return ""
+    return drafter.detokenize([token_id]).decode("utf-8", "replace")

@@ -1,0 +1,99 @@
+"""The drafter: a GGUF draft model run by llama.cpp, tokens in, draft tokens out.
+
+Its KV cache survives across rounds: before drafting, it is cut back to the longest prefix it shares
+with the committed tokens (llama.cpp's memory sequence removal) and only the new committed tokens
+are evaluated, never the whole sequence again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from llama_cpp import Llama
+
+from draftwire.vocab import Vocabulary, vocabulary_of
+from verifier_service.rules import SamplingParams, choose_tokens
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    model_path: Path  # GGUF file of the draft
+    n_ctx: int = 0  # context of the draft's KV cache; 0 takes the model's training context
+    n_threads: int = 0  # 0: llama.cpp's choice for this machine
+
+
+class LlamaDrafter:
+    def __init__(self, config: DrafterConfig):
+        """Loads the GGUF; raises ValueError (from llama-cpp-python) when it cannot."""
+        self.config = config
+        self.llm = Llama(
+            model_path=str(config.model_path),
+            n_ctx=config.n_ctx,
+            n_threads=config.n_threads or None,
+            logits_all=False,
+            verbose=False,
+        )
+        self.n_vocab = self.llm.n_vocab()
+        self.vocabulary: Vocabulary = vocabulary_of(
+            self.llm._model.token_get_text(i) for i in range(self.n_vocab)
+        )
+        self._cached: list[int] = []  # tokens whose keys and values the draft's cache holds
+        self.evaluated_positions = 0  # positions the draft computed, for the cost accounting
+
+    @property
+    def n_ctx(self) -> int:
+        return self.llm.n_ctx()
+
+    def tokenize(self, text: str) -> list[int]:
+        """The draft tokenizer's ids for `text`, as the GGUF says (BOS only if it asks for one)."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+
+    def detokenize(self, token_ids: Sequence[int]) -> bytes:
+        return self.llm.detokenize(list(token_ids))
+
+    def propose(
+        self,
+        committed: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        stop_token_ids: Collection[int] = (),
+    ) -> list[int]:
+        """Drafts up to `gamma` tokens after `committed`, choosing each with the verifier's rule and
+        keyed noise; stops early after a stop token, since nothing after one can be committed."""
+        if not committed:
+            raise ValueError("cannot draft from an empty sequence")
+        self._sync(committed)
+        draft: list[int] = []
+        for i in range(gamma):
+            logits = torch.from_numpy(self._last_logits())[None]
+            token = int(choose_tokens(logits, len(committed) + i, params)[0])
+            draft.append(token)
+            if i == gamma - 1 or token in stop_token_ids:
+                break
+            self._eval([token])
+        return draft
+
+    def _sync(self, committed: Sequence[int]) -> None:
+        # Keep the longest shared prefix, but re-run at least the last committed token: its logits
+        # are what the first draft token is chosen from.
+        keep = 0
+        limit = min(len(self._cached), len(committed) - 1)
+        while keep < limit and self._cached[keep] == committed[keep]:
+            keep += 1
+        self.llm._ctx.kv_cache_seq_rm(-1, keep, -1)
+        self.llm.n_tokens = keep
+        del self._cached[keep:]
+        self._eval(list(committed[keep:]))
+
+    def _eval(self, tokens: list[int]) -> None:
+        self.llm.eval(tokens)
+        self._cached += tokens
+        self.evaluated_positions += len(tokens)
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self.llm._ctx.get_logits_ith(-1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()

@@ -1,0 +1,179 @@
+"""The edge side of a generation session: draft locally, send proposals, commit what the verifier says.
+
+The open message and the first proposal leave back to back, so the first round costs one round
+trip; every later round costs one more. Committed tokens are kept here, so a broken stream can be
+resumed elsewhere with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from edge_client.drafter import LlamaDrafter
+from verifier_service.rules import SamplingParams
+
+
+class VerifierError(Exception):
+    """The verifier ended the session with a non-OK status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 64  # 0: until the target's context is full
+    gamma: int = 4  # draft tokens per proposal
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    draft_tokens: int = 0  # proposed
+    accepted_tokens: int = 0  # proposed and accepted
+    generated_tokens: int = 0  # committed by verdicts (accepted plus target tokens)
+    target_positions: int = 0  # the verifier's figure for this session, prefill included
+    wall_s: float = 0.0
+    draft_s: float = 0.0  # time spent drafting on the edge
+    round_s: list[float] = field(default_factory=list)  # send to verdict, per round
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    def as_json(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_round": self.tokens_per_round,
+            "wall_s": self.wall_s,
+        }
+
+
+class EdgeSession:
+    """Runs generations against one verifier channel with one drafter."""
+
+    def __init__(self, channel: grpc.aio.Channel, drafter: LlamaDrafter):
+        self.stub = pb_grpc.VerifierStub(channel)
+        self.drafter = drafter
+        self._info: pb.ModelInfo | None = None
+
+    async def model_info(self) -> pb.ModelInfo:
+        if self._info is None:
+            self._info = await self.stub.GetModelInfo(pb.ModelInfoRequest())
+        return self._info
+
+    async def generate(
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats | None = None,
+        committed: list[int] | None = None,
+    ) -> AsyncIterator[list[int]]:
+        """Yields the tokens each round commits. `committed` (if given) receives every generated
+        token as it is committed, and is where a retry resumes from.
+
+        Raises VerifierError when the verifier refuses or ends the session.
+        """
+        stats = stats if stats is not None else GenerationStats()
+        generated = committed if committed is not None else []
+        info = await self.model_info()
+        stops = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stops.update(info.special_tokens.eos_token_ids)
+        sequence = [*request.prompt_token_ids, *generated]
+        start = time.perf_counter()
+        call = self.stub.Session()
+        try:
+            await call.write(pb.EdgeMessage(open=self._open_message(request, generated)))
+            round_no = 0
+            while True:
+                round_no += 1
+                remaining = (
+                    request.max_new_tokens or info.max_context - len(request.prompt_token_ids)
+                ) - len(generated)
+                gamma = max(1, min(request.gamma, remaining - 1, info.max_gamma))
+                t0 = time.perf_counter()
+                draft = await asyncio.to_thread(
+                    self.drafter.propose, sequence, gamma, request.sampling, stops
+                )
+                t1 = time.perf_counter()
+                await call.write(
+                    pb.EdgeMessage(
+                        proposal=pb.Proposal(
+                            round=round_no, start_position=len(sequence), draft_token_ids=draft
+                        )
+                    )
+                )
+                verdict = await self._next_verdict(call)
+                stats.round_s.append(time.perf_counter() - t1)
+                stats.draft_s += t1 - t0
+                new = draft[: verdict.accepted]
+                if verdict.HasField("target_token_id"):
+                    new.append(verdict.target_token_id)
+                sequence += new
+                generated += new
+                stats.rounds += 1
+                stats.draft_tokens += len(draft)
+                stats.accepted_tokens += verdict.accepted
+                stats.generated_tokens += len(new)
+                stats.target_positions = verdict.target_positions
+                if new:
+                    yield new
+                if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    break
+            await call.done_writing()
+        except grpc.aio.AioRpcError as e:
+            raise VerifierError(e.code(), e.details() or "") from None
+        finally:
+            call.cancel()
+            stats.wall_s = time.perf_counter() - start
+
+    async def run(self, request: GenerationRequest) -> tuple[list[int], GenerationStats]:
+        """Generates to the end; returns the generated ids and the figures. Raises VerifierError."""
+        stats, generated = GenerationStats(), []
+        async for _ in self.generate(request, stats, generated):
+            pass
+        return generated, stats
+
+    def _open_message(self, request: GenerationRequest, generated: list[int]) -> pb.OpenSession:
+        s = request.sampling
+        return pb.OpenSession(
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed),
+            stop=pb.StopConditions(
+                max_new_tokens=request.max_new_tokens,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+            ),
+            tokenizer_fingerprint=self.drafter.vocabulary.fingerprint,
+            vocab_size=self.drafter.vocabulary.size,
+            generated_token_ids=generated,
+        )
+
+    @staticmethod
+    async def _next_verdict(call) -> pb.Verdict:
+        while True:
+            message = await call.read()
+            if message is grpc.aio.EOF:
+                raise VerifierError(grpc.StatusCode.UNAVAILABLE, "the verifier closed the session early")
+            if message.WhichOneof("kind") == "verdict":
+                return message.verdict

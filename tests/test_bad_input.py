@@ -1,0 +1,240 @@
+"""Bad input gets a clear status; the server, other sessions and committed tokens survive it."""
+
+import asyncio
+import math
+from pathlib import Path
+
+import grpc
+import pytest
+from llama_cpp import Llama
+
+from draftwire.modelkit import llama_cpp_source_dir
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire.vocab import vocabulary_of
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.session import EdgeSession, GenerationRequest, VerifierError
+from verifier_service.engine import TargetEngine
+from verifier_service.rules import SamplingParams
+from verifier_service.session import SessionSpec, reference_decode
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+PROMPT = [5, 60, 70, 80]
+
+
+@pytest.fixture(scope="module")
+def info(server) -> pb.ModelInfo:
+    with grpc.insecure_channel(server.address) as channel:
+        return pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+
+
+def open_msg(info, prompt=PROMPT, max_new=16, fingerprint=None, **sampling) -> pb.EdgeMessage:
+    return pb.EdgeMessage(
+        open=pb.OpenSession(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(**sampling),
+            stop=pb.StopConditions(max_new_tokens=max_new, ignore_eos=True),
+            tokenizer_fingerprint=info.tokenizer_fingerprint if fingerprint is None else fingerprint,
+            vocab_size=info.vocab_size,
+        )
+    )
+
+
+def proposal(round_no, start, draft) -> pb.EdgeMessage:
+    return pb.EdgeMessage(proposal=pb.Proposal(round=round_no, start_position=start, draft_token_ids=draft))
+
+
+async def exchange(address: str, messages: list[pb.EdgeMessage]) -> tuple[list, grpc.aio.AioRpcError | None]:
+    """Sends the messages, half-closes, and collects the replies until the stream ends."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.VerifierStub(channel).Session(iter(messages))
+        replies = []
+        try:
+            async for reply in call:
+                replies.append(reply)
+        except grpc.aio.AioRpcError as e:
+            return replies, e
+        return replies, None
+
+
+def refused(address, messages, code, pattern):
+    replies, error = asyncio.run(exchange(address, messages))
+    assert error is not None, f"expected {code.name}, got replies {replies}"
+    assert error.code() == code, error.details()
+    assert pattern.lower() in error.details().lower(), error.details()
+    return replies
+
+
+START = len(PROMPT)  # start position of the first proposal
+
+
+CASES = [
+    pytest.param(lambda i: [open_msg(i, prompt=[])], INVALID, "prompt is empty", id="empty prompt"),
+    pytest.param(
+        lambda i: [open_msg(i, prompt=[1, 10**6])], INVALID, "outside the vocabulary", id="prompt id"
+    ),
+    pytest.param(lambda i: [open_msg(i, max_new=600)], INVALID, "exceeds the target's context", id="context"),
+    pytest.param(
+        lambda i: [open_msg(i, temperature=-1.0)], INVALID, "temperature", id="negative temperature"
+    ),
+    pytest.param(lambda i: [open_msg(i, temperature=math.nan)], INVALID, "temperature", id="nan temperature"),
+    pytest.param(lambda i: [open_msg(i, temperature=math.inf)], INVALID, "temperature", id="inf temperature"),
+    pytest.param(lambda i: [open_msg(i, temperature=1.0, top_p=0.0)], INVALID, "top_p", id="top-p 0"),
+    pytest.param(lambda i: [open_msg(i, temperature=1.0, top_p=1.5)], INVALID, "top_p", id="top-p 1.5"),
+    pytest.param(lambda i: [proposal(1, 4, [1])], INVALID, "first message", id="proposal before open"),
+    pytest.param(lambda i: [open_msg(i), open_msg(i)], INVALID, "already open", id="second open"),
+    pytest.param(lambda i: [open_msg(i), proposal(2, START, [1])], INVALID, "out of order", id="round gap"),
+    pytest.param(
+        lambda i: [open_msg(i), proposal(1, START, [1]), proposal(1, START, [1])],
+        INVALID,
+        "out of order",
+        id="repeat",
+    ),
+    pytest.param(lambda i: [open_msg(i), proposal(1, START, [])], INVALID, "gamma 0", id="gamma 0"),
+    pytest.param(
+        lambda i: [open_msg(i), proposal(1, START, [1] * 9)], INVALID, "gamma 9", id="gamma over max"
+    ),
+    pytest.param(
+        lambda i: [open_msg(i), proposal(1, START, [1, 99999])],
+        INVALID,
+        "outside the vocabulary",
+        id="draft id",
+    ),
+    pytest.param(
+        lambda i: [open_msg(i, max_new=1), proposal(1, START, [1]), proposal(2, START + 1, [1])],
+        PRECONDITION,
+        "finished",
+        id="proposal after finish",
+    ),
+]
+
+
+@pytest.mark.parametrize("build, code, pattern", CASES)
+def test_bad_input_is_refused_and_the_server_survives(server, info, build, code, pattern):
+    refused(server.address, build(info), code, pattern)
+    assert server.healthy()
+
+
+def test_oversize_message_is_resource_exhausted(server, info):
+    huge = open_msg(info, prompt=[1] * 400_000)  # well over the 1 MiB message limit
+    refused(server.address, [huge], grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    assert server.healthy()
+
+
+def test_mismatched_vocabulary_names_both(server, info):
+    """A real other vocabulary: GPT-2's, from llama.cpp's vocabulary-only GGUF."""
+    gguf = llama_cpp_source_dir() / "vendor/llama.cpp/models/ggml-vocab-gpt-2.gguf"
+    llm = Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    other = vocabulary_of(llm._model.token_get_text(i) for i in range(llm.n_vocab()))
+    message = open_msg(info, fingerprint=other.fingerprint)
+    message.open.vocab_size = other.size
+    refused(server.address, [message], PRECONDITION, "vocabulary mismatch")
+    _, error = asyncio.run(exchange(server.address, [message]))
+    details = error.details()
+    assert str(other.size) in details and other.fingerprint[:16] in details
+    assert str(info.vocab_size) in details and info.tokenizer_fingerprint[:16] in details
+
+
+async def stats(address) -> pb.ServerStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
+
+
+def test_cancel_mid_stream_frees_the_kv_cache(server, info):
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = pb_grpc.VerifierStub(channel).Session()
+            await call.write(open_msg(info, max_new=64))
+            await call.write(proposal(1, START, [1, 2]))
+            assert (await call.read()).WhichOneof("kind") == "opened"
+            assert (await call.read()).WhichOneof("kind") == "verdict"
+            during = (await stats(server.address)).active_sessions
+            call.cancel()
+        for _ in range(100):
+            if (await stats(server.address)).active_sessions == 0:
+                return during, 0
+            await asyncio.sleep(0.05)
+        return during, (await stats(server.address)).active_sessions
+
+    during, after = asyncio.run(scenario())
+    assert during >= 1
+    assert after == 0
+
+
+@pytest.fixture(scope="module")
+def drafter(test_pair):
+    return LlamaDrafter(DrafterConfig(test_pair.draft_q4_0, n_ctx=512))
+
+
+@pytest.fixture(scope="module")
+def expected(test_pair) -> list[int]:
+    engine = TargetEngine.load(Path(test_pair.target_dir))
+    return reference_decode(engine, SessionSpec(tuple(PROMPT), max_new_tokens=40, ignore_eos=True))
+
+
+def test_other_sessions_survive_bad_neighbours(server, info, drafter, expected):
+    """A good session runs while bad ones are refused beside it, and its output is untouched."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            session = EdgeSession(channel, drafter)
+            good = asyncio.create_task(
+                session.run(GenerationRequest(tuple(PROMPT), max_new_tokens=40, gamma=3, ignore_eos=True))
+            )
+            errors = []
+            for build, _, _ in (c.values for c in CASES):
+                _, error = await exchange(server.address, build(info))
+                errors.append(error)
+            return await good, errors
+
+    (ids, _), errors = asyncio.run(scenario())
+    assert all(e is not None for e in errors)
+    assert ids == expected
+
+
+def test_committed_tokens_survive_a_refused_proposal_and_resume(server, info, drafter, expected):
+    """Three good rounds, then an out-of-order proposal ends the stream; resuming with the committed
+    tokens finishes with exactly the undisturbed output."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = pb_grpc.VerifierStub(channel).Session()
+            await call.write(open_msg(info, max_new=40))
+            committed: list[int] = []
+            for round_no in (1, 2, 3):
+                draft = drafter.propose(PROMPT + committed, 3, SamplingParams())
+                await call.write(proposal(round_no, len(PROMPT) + len(committed), draft))
+                reply = await call.read()
+                while reply.WhichOneof("kind") != "verdict":
+                    reply = await call.read()
+                v = reply.verdict
+                committed += draft[: v.accepted] + (
+                    [v.target_token_id] if v.HasField("target_token_id") else []
+                )
+            await call.write(proposal(7, len(PROMPT) + len(committed), [1]))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call.read()
+            assert error.value.code() == INVALID
+            before_resume = list(committed)
+            session = EdgeSession(channel, drafter)
+            request = GenerationRequest(tuple(PROMPT), max_new_tokens=40, gamma=3, ignore_eos=True)
+            async for _ in session.generate(request, committed=committed):
+                pass
+            return before_resume, committed
+
+    before, final = asyncio.run(scenario())
+    assert len(before) >= 3
+    assert final[: len(before)] == before == expected[: len(before)]
+    assert final == expected
+
+
+def test_verifier_error_carries_the_status(server, drafter):
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            await EdgeSession(channel, drafter).run(GenerationRequest(tuple(PROMPT), max_new_tokens=600))
+
+    with pytest.raises(VerifierError) as error:
+        asyncio.run(scenario())
+    assert error.value.code == INVALID

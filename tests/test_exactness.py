@@ -1,0 +1,167 @@
+"""Golden tests of whole generations: speculative output over real gRPC against the target alone.
+
+Greedy output is compared with transformers' own `generate`; seeded output with `reference`, and
+across gammas and drafts. The server is `draftwire serve` in a subprocess, the draft real llama.cpp.
+"""
+
+import asyncio
+import json
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftwire.modelkit import stdlib_texts
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.session import EdgeSession, GenerationRequest
+from tests.conftest import DRAFTWIRE
+from verifier_service.engine import TargetEngine
+from verifier_service.rules import SamplingParams
+from verifier_service.session import SessionSpec, reference_decode
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tokenizer(test_pair):
+    return AutoTokenizer.from_pretrained(test_pair.target_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """20 prompts of 1 to 40 tokens from standard-library text the tokenizer was not trained on."""
+    text = "".join(stdlib_texts(40_000, skip_chars=2_000_000))
+    ids = tokenizer(text)["input_ids"]
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 40, 7, 4, 9, 17, 25, 30, 11, 6, 15, 19, 28]
+    return [ids[i * 97 : i * 97 + n] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def drafters(test_pair) -> dict[str, LlamaDrafter]:
+    paths = {"f16": test_pair.draft_f16, "q4_0": test_pair.draft_q4_0, "other": test_pair.other_draft_f16}
+    return {name: LlamaDrafter(DrafterConfig(path, n_ctx=512)) for name, path in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(test_pair) -> TargetEngine:
+    return TargetEngine.load(test_pair.target_dir)
+
+
+def speculate(address: str, drafter: LlamaDrafter, requests: list[GenerationRequest]):
+    """Runs the requests one after another on one channel; returns [(ids, stats)]."""
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = EdgeSession(channel, drafter)
+            return [await session.run(r) for r in requests]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(test_pair, prompts) -> list[list[int]]:
+    """transformers' own greedy decoding: the independent reference."""
+    model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=2,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("draft", ["f16", "q4_0"])
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_greedy_equals_transformers_generate(server, drafters, prompts, hf_greedy, draft, gamma):
+    requests = [GenerationRequest(tuple(p), max_new_tokens=NEW_TOKENS, gamma=gamma) for p in prompts]
+    results = speculate(server.address, drafters[draft], requests)
+    for prompt, expected, (ids, _) in zip(prompts, hf_greedy, results, strict=True):
+        assert ids == expected, f"prompt {prompt}"
+    accepted = sum(s.accepted_tokens for _, s in results)
+    proposed = sum(s.draft_tokens for _, s in results)
+    # The f16 draft is the target itself: it must be accepted nearly always, so rounds really commit
+    # several tokens; q4_0 drifts a little.
+    assert accepted / proposed > (0.9 if draft == "f16" else 0.5)
+
+
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
+
+
+def test_seeded_sampling_equals_reference_whatever_gamma_and_draft(server, drafters, prompts, engine):
+    prompt = tuple(prompts[6])
+    seeds = range(1000, 1020)
+    for seed in seeds:
+        params = SamplingParams(seed=seed, **SAMPLING)
+        expected = reference_decode(engine, SessionSpec(prompt, params, NEW_TOKENS))
+        for draft, gamma in [("f16", 4), ("f16", 1), ("f16", 8), ("other", 4), ("q4_0", 3)]:
+            [(ids, _)] = speculate(
+                server.address, drafters[draft], [GenerationRequest(prompt, params, NEW_TOKENS, gamma)]
+            )
+            assert ids == expected, f"seed {seed}, draft {draft}, gamma {gamma}"
+
+
+def test_the_same_draft_agrees_with_the_targets_draws(server, drafters, prompts):
+    """Under sampling the draft draws with the verifier's keyed noise, so a faithful draft is accepted."""
+    requests = [
+        GenerationRequest(tuple(prompts[6]), SamplingParams(seed=s, **SAMPLING), NEW_TOKENS, 4)
+        for s in range(5)
+    ]
+    results = speculate(server.address, drafters["f16"], requests)
+    rate = sum(s.accepted_tokens for _, s in results) / sum(s.draft_tokens for _, s in results)
+    assert rate > 0.9
+
+
+def test_first_sampled_token_follows_the_targets_filtered_softmax(engine, prompts):
+    from tests.test_rules import chi_square_p, hf_probs
+
+    prompt = tuple(prompts[7])
+    logits = engine.forward("probe", 0, list(prompt))[-1]
+    engine.release("probe")
+    temperature, top_k, top_p = 1.2, 50, 0.9
+    probs = hf_probs(logits, temperature, top_k, top_p)
+    firsts = [
+        reference_decode(engine, SessionSpec(prompt, SamplingParams(temperature, top_k, top_p, seed), 1))[0]
+        for seed in range(2000)
+    ]
+    assert chi_square_p(firsts, probs) > 0.001
+    assert stats.entropy(np.bincount(firsts)) > 0.5  # the check is not vacuous: many tokens are drawn
+
+
+def run_cli(*args: str) -> dict:
+    out = subprocess.run(
+        [DRAFTWIRE, *args, "--json"], capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def test_cli_generate_and_reference_agree(server, test_pair, prompts):
+    ids = ",".join(map(str, prompts[10]))
+    flags = ["--prompt-ids", ids, "--max-new-tokens", "20", "--ignore-eos"]
+    sampled = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--seed", "77"]
+    for extra in ([], sampled):
+        spec = run_cli(
+            "generate", "--server", server.address, "--draft", str(test_pair.draft_q4_0), *flags, *extra
+        )
+        ref = run_cli("reference", "--target", str(test_pair.target_dir), *flags, *extra)
+        assert spec["token_ids"] == ref["token_ids"]
+        assert len(spec["token_ids"]) == 20
+        assert set(spec["stats"]) == {
+            "rounds",
+            "draft_tokens",
+            "accepted_tokens",
+            "acceptance_rate",
+            "tokens_per_round",
+            "wall_s",
+        }
+        assert spec["stats"]["tokens_per_round"] > 1.0
+        assert spec["text"] == ref["text"]
