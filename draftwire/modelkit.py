@@ -163,17 +163,19 @@ def export_gguf(
     if not (llama_dir / "convert_hf_to_gguf.py").is_file():
         raise FileNotFoundError(f"no convert_hf_to_gguf.py in {llama_dir}; run `bash install.sh`")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    argv = [str(hf_dir), "--outfile", str(out_path), "--outtype", outtype]
+    partial = _partial(out_path)
+    argv = [str(hf_dir), "--outfile", str(partial), "--outtype", outtype]
     done = subprocess.run(
         [sys.executable, "-c", _CONVERT_PROGRAM, str(llama_dir), *argv],
         capture_output=True,
         text=True,
     )
-    if done.returncode != 0 or not out_path.is_file():
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
         raise RuntimeError(
             f"convert_hf_to_gguf failed (exit {done.returncode}) on {hf_dir}:\n{done.stderr[-3000:]}"
         )
-    return out_path
+    return partial.replace(out_path)
 
 
 def quantize_gguf(src: Path, dst: Path, qtype: str = "q4_0") -> Path:
@@ -189,10 +191,18 @@ def quantize_gguf(src: Path, dst: Path, qtype: str = "q4_0") -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftypes[qtype]
     dst.parent.mkdir(parents=True, exist_ok=True)
-    status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-    if status != 0 or not dst.is_file():
+    partial = _partial(dst)
+    status = llama_cpp.llama_model_quantize(str(src).encode(), str(partial).encode(), params)
+    if status != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {qtype}) returned {status}")
-    return dst
+    return partial.replace(dst)
+
+
+def _partial(path: Path) -> Path:
+    # Written under another name and renamed when whole, so an interrupted build never leaves a
+    # truncated file where build_test_pair would take it as done.
+    return path.with_name(path.name + ".partial")
 
 
 def stdlib_texts(max_chars: int, skip_chars: int = 0) -> list[str]:

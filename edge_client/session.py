@@ -103,7 +103,7 @@ class EdgeSession:
         start = time.perf_counter()
         call = self.stub.Session()
         try:
-            await call.write(pb.EdgeMessage(open=self._open_message(request, generated)))
+            await _write(call, pb.EdgeMessage(open=self._open_message(request, generated)))
             round_no = 0
             while True:
                 round_no += 1
@@ -116,12 +116,13 @@ class EdgeSession:
                     self.drafter.propose, sequence, gamma, request.sampling, stops
                 )
                 t1 = time.perf_counter()
-                await call.write(
+                await _write(
+                    call,
                     pb.EdgeMessage(
                         proposal=pb.Proposal(
                             round=round_no, start_position=len(sequence), draft_token_ids=draft
                         )
-                    )
+                    ),
                 )
                 verdict = await self._next_verdict(call)
                 stats.round_s.append(time.perf_counter() - t1)
@@ -177,3 +178,11 @@ class EdgeSession:
                 raise VerifierError(grpc.StatusCode.UNAVAILABLE, "the verifier closed the session early")
             if message.WhichOneof("kind") == "verdict":
                 return message.verdict
+
+
+async def _write(call, message: pb.EdgeMessage) -> None:
+    """Writes to the stream; a stream the verifier already ended raises its status as VerifierError."""
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:
+        raise VerifierError(await call.code(), await call.details() or "") from None

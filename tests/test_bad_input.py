@@ -118,7 +118,7 @@ def test_bad_input_is_refused_and_the_server_survives(server, info, build, code,
 
 
 def test_oversize_message_is_resource_exhausted(server, info):
-    huge = open_msg(info, prompt=[1] * 400_000)  # well over the 1 MiB message limit
+    huge = open_msg(info, prompt=[300] * 700_000)  # 2 bytes an id: 1.4 MB, over the 1 MiB limit
     refused(server.address, [huge], grpc.StatusCode.RESOURCE_EXHAUSTED, "")
     assert server.healthy()
 

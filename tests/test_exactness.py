@@ -89,9 +89,10 @@ def test_greedy_equals_transformers_generate(server, drafters, prompts, hf_greed
         assert ids == expected, f"prompt {prompt}"
     accepted = sum(s.accepted_tokens for _, s in results)
     proposed = sum(s.draft_tokens for _, s in results)
-    # The f16 draft is the target itself: it must be accepted nearly always, so rounds really commit
-    # several tokens; q4_0 drifts a little.
-    assert accepted / proposed > (0.9 if draft == "f16" else 0.5)
+    rate = accepted / proposed
+    # The f16 draft is the target itself and is accepted nearly always, so rounds commit several
+    # tokens; q4_0 of a random-weight model drifts a lot, so corrections are exercised too.
+    assert rate > 0.9 if draft == "f16" else 0.1 < rate < 0.9
 
 
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)

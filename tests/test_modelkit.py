@@ -16,7 +16,7 @@ from draftwire import modelkit
 from draftwire.modelkit import TestPair, build_test_pair, stdlib_texts
 
 # Text the tokenizer never saw: build_test_pair trains on the first 400k characters of the same files.
-_HELD_OUT = "".join(stdlib_texts(4000, skip_chars=1_000_000))
+_HELD_OUT = "".join(stdlib_texts(8000, skip_chars=1_000_000))
 
 _EDGE_CASES = [
     "",
@@ -37,8 +37,9 @@ _EDGE_CASES = [
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> TestPair:
-    return build_test_pair(tmp_path_factory.mktemp("modelkit"))
+def pair(test_pair: TestPair) -> TestPair:
+    # conftest's session-wide pair, built once by build_test_pair for every test module.
+    return test_pair
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_llama_cpp_tokenizes_like_transformers(text: str, tokenizer, vocab_only)
 
 
 def test_held_out_text_is_long_and_compressed(tokenizer) -> None:
-    assert len(_HELD_OUT) >= 4000
+    assert len(_HELD_OUT) >= 8000
     assert len(tokenizer(_HELD_OUT)["input_ids"]) < 0.75 * len(_HELD_OUT)
 
 
@@ -188,3 +189,12 @@ def test_export_failure_reports_converter_stderr(tmp_path: Path) -> None:
 def test_missing_llama_cpp_source_names_install_script(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="install.sh"):
         modelkit.export_gguf(tmp_path, tmp_path / "x.gguf", "f16", llama_cpp_src=tmp_path / "nowhere")
+
+
+def test_quantize_failure_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="qtype"):
+        modelkit.quantize_gguf(tmp_path / "in.gguf", tmp_path / "out.gguf", "q2_k")
+    (tmp_path / "in.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(RuntimeError, match="llama_model_quantize"):
+        modelkit.quantize_gguf(tmp_path / "in.gguf", tmp_path / "out.gguf", "q4_0")
+    assert not list(tmp_path.glob("out.gguf*"))
