@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from verifier_service.rules import SamplingParams
@@ -24,7 +25,8 @@ class ChatConfig:
 def render_chat(template: str, messages: list[dict[str, str]], bos: str, eos: str) -> str:
     """Formats the conversation with the target tokenizer's chat template (Jinja, as transformers
     renders it), ending with the prompt for the assistant's turn."""
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    # Sandboxed: the template comes from the server, and is code.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     return env.from_string(template).render(
         messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
@@ -41,18 +43,7 @@ async def reply(
     """Streams one assistant reply to `out`; returns its text and figures."""
     info = await session.model_info()
     drafter = session.drafter
-    if info.chat_template:
-        bos = _piece(
-            drafter,
-            info.special_tokens.bos_token_id if info.special_tokens.HasField("bos_token_id") else None,
-        )
-        eos = _piece(
-            drafter, info.special_tokens.eos_token_ids[0] if info.special_tokens.eos_token_ids else None
-        )
-        text = render_chat(info.chat_template, messages, bos, eos)
-        prompt = drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-    else:
-        prompt = drafter.tokenize(messages[-1]["content"])
+    prompt = chat_prompt(info, drafter, messages)
     request = GenerationRequest(tuple(prompt), config.sampling, config.max_new_tokens, config.gamma)
     stats = GenerationStats()
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -66,6 +57,18 @@ async def reply(
     parts.append(decoder.decode(b"", final=True))
     out.write(parts[-1] + "\n")
     return "".join(parts), stats
+
+
+def chat_prompt(info, drafter, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt ids of the conversation: the target's chat template when it has one (carried by
+    ModelInfo), else the last message as a plain completion prompt."""
+    if not info.chat_template:
+        return drafter.tokenize(messages[-1]["content"])
+    special = info.special_tokens
+    bos = _piece(drafter, special.bos_token_id if special.HasField("bos_token_id") else None)
+    eos = _piece(drafter, special.eos_token_ids[0] if special.eos_token_ids else None)
+    text = render_chat(info.chat_template, messages, bos, eos)
+    return drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
 def summary(stats: GenerationStats) -> str:
@@ -110,4 +113,4 @@ async def chat(
 def _piece(drafter, token_id: int | None) -> str:
     if token_id is None:
         return ""
-    return drafter.detokenize([token_id]).decode("utf-8", "replace")
+    return drafter.llm.detokenize([token_id], special=True).decode("utf-8", "replace")

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -14,7 +12,6 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -24,16 +21,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = (
-        "target_id",
-        "vocab_size",
-        "tokenizer_fingerprint",
-        "max_gamma",
-        "max_context",
-        "special_tokens",
-        "chat_template",
-        "max_message_bytes",
-    )
+    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -50,17 +38,7 @@ class ModelInfo(_message.Message):
     special_tokens: SpecialTokens
     chat_template: str
     max_message_bytes: int
-    def __init__(
-        self,
-        target_id: str | None = ...,
-        vocab_size: int | None = ...,
-        tokenizer_fingerprint: str | None = ...,
-        max_gamma: int | None = ...,
-        max_context: int | None = ...,
-        special_tokens: SpecialTokens | _Mapping | None = ...,
-        chat_template: str | None = ...,
-        max_message_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class SpecialTokens(_message.Message):
     __slots__ = ("bos_token_id", "eos_token_ids", "pad_token_id")
@@ -70,12 +48,7 @@ class SpecialTokens(_message.Message):
     bos_token_id: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     pad_token_id: int
-    def __init__(
-        self,
-        bos_token_id: int | None = ...,
-        eos_token_ids: _Iterable[int] | None = ...,
-        pad_token_id: int | None = ...,
-    ) -> None: ...
+    def __init__(self, bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -87,13 +60,7 @@ class SamplingParams(_message.Message):
     top_k: int
     top_p: float
     seed: int
-    def __init__(
-        self,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        seed: int | None = ...,
-    ) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StopConditions(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -103,22 +70,10 @@ class StopConditions(_message.Message):
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(
-        self,
-        max_new_tokens: int | None = ...,
-        stop_token_ids: _Iterable[int] | None = ...,
-        ignore_eos: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = (
-        "prompt_token_ids",
-        "sampling",
-        "stop",
-        "tokenizer_fingerprint",
-        "generated_token_ids",
-        "vocab_size",
-    )
+    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -131,15 +86,7 @@ class OpenSession(_message.Message):
     tokenizer_fingerprint: str
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
-    def __init__(
-        self,
-        prompt_token_ids: _Iterable[int] | None = ...,
-        sampling: SamplingParams | _Mapping | None = ...,
-        stop: StopConditions | _Mapping | None = ...,
-        tokenizer_fingerprint: str | None = ...,
-        generated_token_ids: _Iterable[int] | None = ...,
-        vocab_size: int | None = ...,
-    ) -> None: ...
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("round", "start_position", "draft_token_ids")
@@ -149,12 +96,7 @@ class Proposal(_message.Message):
     round: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        round: int | None = ...,
-        start_position: int | None = ...,
-        draft_token_ids: _Iterable[int] | None = ...,
-    ) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EdgeMessage(_message.Message):
     __slots__ = ("open", "proposal")
@@ -162,9 +104,7 @@ class EdgeMessage(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     proposal: Proposal
-    def __init__(
-        self, open: OpenSession | _Mapping | None = ..., proposal: Proposal | _Mapping | None = ...
-    ) -> None: ...
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "committed_length")
@@ -172,19 +112,10 @@ class SessionOpened(_message.Message):
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_length: int
-    def __init__(self, session_id: str | None = ..., committed_length: int | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = (
-        "round",
-        "start_position",
-        "accepted",
-        "target_token_id",
-        "finish_reason",
-        "stale",
-        "committed_length",
-        "target_positions",
-    )
+    __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -201,17 +132,7 @@ class Verdict(_message.Message):
     stale: bool
     committed_length: int
     target_positions: int
-    def __init__(
-        self,
-        round: int | None = ...,
-        start_position: int | None = ...,
-        accepted: int | None = ...,
-        target_token_id: int | None = ...,
-        finish_reason: FinishReason | str | None = ...,
-        stale: bool | None = ...,
-        committed_length: int | None = ...,
-        target_positions: int | None = ...,
-    ) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., accepted: _Optional[int] = ..., target_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stale: _Optional[bool] = ..., committed_length: _Optional[int] = ..., target_positions: _Optional[int] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("opened", "verdict")
@@ -219,24 +140,14 @@ class VerifierMessage(_message.Message):
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     verdict: Verdict
-    def __init__(
-        self, opened: SessionOpened | _Mapping | None = ..., verdict: Verdict | _Mapping | None = ...
-    ) -> None: ...
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = (
-        "active_sessions",
-        "sessions_opened",
-        "rounds",
-        "generated_tokens",
-        "round_positions",
-        "prefill_positions",
-        "target_positions_per_token",
-    )
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -251,13 +162,4 @@ class ServerStats(_message.Message):
     round_positions: int
     prefill_positions: int
     target_positions_per_token: float
-    def __init__(
-        self,
-        active_sessions: int | None = ...,
-        sessions_opened: int | None = ...,
-        rounds: int | None = ...,
-        generated_tokens: int | None = ...,
-        round_positions: int | None = ...,
-        prefill_positions: int | None = ...,
-        target_positions_per_token: float | None = ...,
-    ) -> None: ...
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ...) -> None: ...
