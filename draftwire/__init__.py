@@ -1,0 +1,1 @@
+"""draftwire: speculative decoding split across the network."""

@@ -1,0 +1,1 @@
+"""The Ray verifier pool: replicas, session routing, scaling, recovery (to come)."""
