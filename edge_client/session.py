@@ -8,6 +8,7 @@ resumed elsewhere with them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class GenerationStats:
     wall_s: float = 0.0
     draft_s: float = 0.0  # time spent drafting on the edge
     round_s: list[float] = field(default_factory=list)  # send to verdict, per round
+    resumes: int = 0  # streams re-opened with the committed tokens after UNAVAILABLE
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,9 +74,10 @@ class GenerationStats:
 class EdgeSession:
     """Runs generations against one verifier channel with one drafter."""
 
-    def __init__(self, channel: grpc.aio.Channel, drafter: LlamaDrafter):
+    def __init__(self, channel: grpc.aio.Channel, drafter: LlamaDrafter, max_resumes: int = 3):
         self.stub = pb_grpc.VerifierStub(channel)
         self.drafter = drafter
+        self.max_resumes = max_resumes  # re-opens after UNAVAILABLE, per generation
         self._info: pb.ModelInfo | None = None
 
     async def model_info(self) -> pb.ModelInfo:
@@ -89,41 +92,52 @@ class EdgeSession:
         committed: list[int] | None = None,
     ) -> AsyncIterator[list[int]]:
         """Yields the tokens each round commits. `committed` (if given) receives every generated
-        token as it is committed, and is where a retry resumes from.
+        token as it is committed, and is where a resume starts from.
 
-        Raises VerifierError when the verifier refuses or ends the session.
+        A stream that breaks with UNAVAILABLE (a verifier or replica went away) is re-opened with the
+        committed tokens, up to max_resumes times; the new verifier re-prefills them, so no token is
+        lost or repeated. Raises VerifierError when the verifier refuses, or when resumes run out.
         """
         stats = stats if stats is not None else GenerationStats()
         generated = committed if committed is not None else []
+        start = time.perf_counter()
+        resumes = 0
+        try:
+            while True:
+                try:
+                    async for new in self._stream(request, stats, generated):
+                        yield new
+                    return
+                except VerifierError as e:
+                    if e.code != grpc.StatusCode.UNAVAILABLE or resumes >= self.max_resumes:
+                        raise
+                    resumes += 1
+                    stats.resumes += 1
+        finally:
+            stats.wall_s = time.perf_counter() - start
+
+    async def _stream(
+        self, request: GenerationRequest, stats: GenerationStats, generated: list[int]
+    ) -> AsyncIterator[list[int]]:
+        """One Session stream, from open to finish."""
         info = await self.model_info()
         stops = set(request.stop_token_ids)
         if not request.ignore_eos:
             stops.update(info.special_tokens.eos_token_ids)
+        budget = request.max_new_tokens or info.max_context - len(request.prompt_token_ids)
         sequence = [*request.prompt_token_ids, *generated]
-        start = time.perf_counter()
         call = self.stub.Session()
         try:
             await _write(call, pb.EdgeMessage(open=self._open_message(request, generated)))
-            round_no = 0
-            while True:
-                round_no += 1
-                remaining = (
-                    request.max_new_tokens or info.max_context - len(request.prompt_token_ids)
-                ) - len(generated)
-                gamma = max(1, min(request.gamma, remaining - 1, info.max_gamma))
+            for round_no in itertools.count(1):
+                gamma = max(1, min(request.gamma, budget - len(generated) - 1, info.max_gamma))
                 t0 = time.perf_counter()
                 draft = await asyncio.to_thread(
                     self.drafter.propose, sequence, gamma, request.sampling, stops
                 )
                 t1 = time.perf_counter()
-                await _write(
-                    call,
-                    pb.EdgeMessage(
-                        proposal=pb.Proposal(
-                            round=round_no, start_position=len(sequence), draft_token_ids=draft
-                        )
-                    ),
-                )
+                proposal = pb.Proposal(round=round_no, start_position=len(sequence), draft_token_ids=draft)
+                await _write(call, pb.EdgeMessage(proposal=proposal))
                 verdict = await self._next_verdict(call)
                 stats.round_s.append(time.perf_counter() - t1)
                 stats.draft_s += t1 - t0
@@ -146,7 +160,6 @@ class EdgeSession:
             raise VerifierError(e.code(), e.details() or "") from None
         finally:
             call.cancel()
-            stats.wall_s = time.perf_counter() - start
 
     async def run(self, request: GenerationRequest) -> tuple[list[int], GenerationStats]:
         """Generates to the end; returns the generated ids and the figures. Raises VerifierError."""

@@ -6,10 +6,8 @@ wire and a session's KV cache is only touched by that thread.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import TargetEngine
 from verifier_service.rules import Finish, SamplingParams
 from verifier_service.session import (
@@ -48,6 +47,7 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     max_message_bytes: int = 1 << 20  # larger messages are refused with RESOURCE_EXHAUSTED
     limits: VerifierLimits = VerifierLimits()
+    batch: BatchConfig = BatchConfig()
 
 
 def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
@@ -87,11 +87,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine = engine
         self.config = config
         self.stats = VerifierStats()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.batcher = Batcher(engine, config.batch)
         self._keys = itertools.count(1)
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         info = self.engine.info
@@ -120,6 +117,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             round_positions=s.round_positions,
             prefill_positions=s.prefill_positions,
             target_positions_per_token=s.target_positions_per_token,
+            engine_batches=self.batcher.stats.batches,
+            engine_forwards=self.batcher.stats.forwards,
         )
 
     async def Session(self, request_iterator, context):
@@ -132,9 +131,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     if kind != "open":
                         raise InvalidRequest("the first message of a session must be `open`")
                     spec = spec_from_proto(message.open)
-                    session = await self._run(
-                        VerifierSession, self.engine, spec, self.config.limits, self.stats, key
-                    )
+                    session = VerifierSession(self.engine, spec, self.config.limits, self.stats, key)
+                    await self.batcher.forward(session.prefill())
                     yield pb.VerifierMessage(
                         opened=pb.SessionOpened(session_id=key, committed_length=len(session.committed))
                     )
@@ -142,10 +140,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if kind != "proposal":
                     raise InvalidRequest("the session is already open: send proposals")
                 p = message.proposal
-                proposal = Proposal(p.round, p.start_position, tuple(p.draft_token_ids))
+                step = session.begin(Proposal(p.round, p.start_position, tuple(p.draft_token_ids)))
+                if isinstance(step, Verdict):  # stale
+                    verdict = step
+                else:
+                    verdict = session.complete(step, await self.batcher.forward(step.forward))
+                    if verdict.finish is not None:
+                        self.batcher.release(key)
                 # After a finish the stream stays open until the edge half-closes; a proposal sent
                 # meanwhile is refused (FAILED_PRECONDITION) by the session.
-                verdict = await self._run(session.verify, proposal)
                 yield pb.VerifierMessage(verdict=verdict_to_proto(verdict))
         except SessionError as e:
             log.info("session %s refused: %s", key, e)
@@ -154,8 +157,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             log.exception("session %s failed", key)
             await context.abort(grpc.StatusCode.INTERNAL, f"verifier error: {type(e).__name__}: {e}")
         finally:
-            # Queued behind any forward still running for this key, so nothing outlives the release.
-            self._executor.submit(self.engine.release, key)
+            # Queued behind any forward of this key, so nothing outlives the release.
+            self.batcher.release(key)
 
 
 async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[grpc.aio.Server, int]:

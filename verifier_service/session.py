@@ -10,7 +10,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from verifier_service.engine import TargetEngine
+import torch
+
+from verifier_service.engine import Forward, TargetEngine
 from verifier_service.rules import Finish, InvalidSampling, SamplingParams, choose_tokens, commit_round
 
 
@@ -55,6 +57,16 @@ class Verdict:
     stale: bool  # start_position was not the committed length; nothing happened
     committed_length: int
     target_positions: int  # positions the target computed for this session, prefill included
+
+
+@dataclass(frozen=True)
+class Round:
+    """A round between `begin` and `complete`: what the target computes for one proposal."""
+
+    proposal: Proposal
+    draft: tuple[int, ...]  # the draft tokens verified (those past the budget are dropped)
+    budget: int  # tokens this session may still commit
+    forward: Forward  # the last committed token then the draft, on top of the session's cache
 
 
 @dataclass(frozen=True)
@@ -125,17 +137,29 @@ class VerifierSession:
         self.stop_token_ids = frozenset(stops)
         self.last_round = 0
         self.finish: Finish | None = None
-        self.engine.forward(self.key, 0, self.committed[:-1], logits=False)
-        self.target_positions = len(self.committed) - 1
+        self.target_positions = 0
         self.stats.sessions_opened += 1
+
+    def prefill(self) -> Forward:
+        """The forward that fills the cache with every committed position but the last."""
+        self.target_positions = len(self.committed) - 1
         self.stats.prefill_positions += self.target_positions
+        return Forward(self.key, 0, tuple(self.committed[:-1]), logits=False)
 
     @property
     def generated(self) -> list[int]:
         return self.committed[len(self.spec.prompt_token_ids) :]
 
     def verify(self, proposal: Proposal) -> Verdict:
-        """Runs one round; raises InvalidRequest or WrongState and then changes nothing."""
+        """Runs one round on the engine directly (no batching); raises what begin raises."""
+        step = self.begin(proposal)
+        if isinstance(step, Verdict):
+            return step
+        return self.complete(step, self.engine.forward_many([step.forward])[0])
+
+    def begin(self, proposal: Proposal) -> Round | Verdict:
+        """Checks a proposal and says what the target must compute for it, or answers a stale one at
+        once. Raises InvalidRequest or WrongState, and then changes nothing."""
         if self.finish is not None:
             raise WrongState(f"session finished ({self.finish.value}); no proposal is accepted after that")
         if proposal.round != self.last_round + 1:
@@ -154,18 +178,27 @@ class VerifierSession:
             return self._verdict(proposal, 0, None, stale=True)
         budget = self.max_new_tokens - len(self.generated)
         # Draft tokens past the budget could never be committed: do not spend the target on them.
-        draft = list(proposal.draft_token_ids[: budget - 1])
-        logits = self.engine.forward(self.key, length - 1, [self.committed[-1], *draft])
+        draft = tuple(proposal.draft_token_ids[: budget - 1])
+        forward = Forward(self.key, length - 1, (self.committed[-1], *draft))
+        return Round(proposal, draft, budget, forward)
+
+    def complete(self, step: Round, logits: torch.Tensor) -> Verdict:
+        """Applies the rules to the target's logits for a round begun with `begin`.
+
+        logits  # [len(step.draft) + 1, vocab]
+        """
+        length = len(self.committed)
         target = choose_tokens(logits, length, self.spec.sampling).tolist()
-        accepted, target_token, self.finish = commit_round(draft, target, self.stop_token_ids, budget)
-        self.committed += draft[:accepted] + ([target_token] if target_token is not None else [])
-        self.target_positions += len(draft) + 1
+        accepted, target_token, self.finish = commit_round(
+            step.draft, target, self.stop_token_ids, step.budget
+        )
+        self.committed += [*step.draft[:accepted], *([target_token] if target_token is not None else [])]
+        positions = len(step.forward.token_ids)
+        self.target_positions += positions
         self.stats.rounds += 1
-        self.stats.round_positions += len(draft) + 1
+        self.stats.round_positions += positions
         self.stats.generated_tokens += len(self.committed) - length
-        if self.finish is not None:
-            self.close()
-        return self._verdict(proposal, accepted, target_token)
+        return self._verdict(step.proposal, accepted, target_token)
 
     def close(self) -> None:
         """Frees the session's KV cache; safe to call twice."""
@@ -196,6 +229,7 @@ def reference_decode(engine: TargetEngine, spec: SessionSpec) -> list[int]:
     Returns the generated ids; raises what VerifierSession raises.
     """
     session = VerifierSession(engine, spec, VerifierLimits(min_gamma=0, max_gamma=0))
+    engine.forward_many([session.prefill()])
     try:
         while session.finish is None:
             session.verify(Proposal(session.last_round + 1, len(session.committed), ()))

@@ -147,7 +147,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class ServerStats(_message.Message):
     ROUND_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_POSITIONS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -162,4 +164,6 @@ class ServerStats(_message.Message):
     round_positions: int
     prefill_positions: int
     target_positions_per_token: float
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ...) -> None: ...
+    engine_batches: int
+    engine_forwards: int
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,98 @@
+"""Batched verification across sessions: forwards that queue up while the engine is busy run together.
+
+One worker feeds the engine on one thread. While a batch runs, the forwards of other sessions queue;
+the next batch takes them all (up to max_batch), so batches grow with load and a lone session pays
+no waiting. An optional window holds the first forward a little longer to gather more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from verifier_service.engine import Forward, TargetEngine
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch: int = 32  # most sessions in one forward pass
+    window_s: float = 0.0  # extra wait for company before a batch starts; 0 batches only what queued
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0  # engine calls
+    forwards: int = 0  # session forwards inside them
+
+
+class Batcher:
+    def __init__(self, engine: TargetEngine, config: BatchConfig = BatchConfig()):
+        self.engine = engine
+        self.config = config
+        self.stats = BatchStats()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self._pending: list[tuple[Forward, asyncio.Future]] = []
+        self._releases: list[str] = []
+        self._wake: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+
+    async def forward(self, forward: Forward) -> torch.Tensor | None:
+        """The forward's logits, computed in some batch; raises what the engine raised."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((forward, future))
+        self._kick()
+        return await future
+
+    def release(self, key: str) -> None:
+        """Frees a session's cache after every forward of it already queued."""
+        self._releases.append(key)
+        self._kick()
+
+    async def call(self, fn, *args):
+        """Runs fn on the engine's thread, between batches."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _kick(self) -> None:
+        if self._worker is None:
+            self._wake = asyncio.Event()
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.config.window_s and self._pending:
+                await asyncio.sleep(self.config.window_s)
+            while self._pending or self._releases:
+                batch, keys = [], set()
+                for item in self._pending:
+                    forward, future = item
+                    if len(batch) < self.config.max_batch and forward.key not in keys and not future.done():
+                        batch.append(item)
+                        keys.add(forward.key)
+                taken = {id(future) for _, future in batch}
+                self._pending = [(f, fu) for f, fu in self._pending if id(fu) not in taken and not fu.done()]
+                releases, self._releases = self._releases, []
+                try:
+                    results = await self.call(self._step, [f for f, _ in batch], releases)
+                except Exception as e:  # the engine failed: every session in the batch hears it
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
+
+    def _step(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
+        results = self.engine.forward_many(forwards) if forwards else []
+        if forwards:
+            self.stats.batches += 1
+            self.stats.forwards += len(forwards)
+        for key in releases:
+            self.engine.release(key)
+        return results
