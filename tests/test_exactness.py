@@ -16,6 +16,8 @@ from scipy import stats
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftwire.modelkit import stdlib_texts
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tests.conftest import DRAFTWIRE
@@ -166,3 +168,38 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
         }
         assert spec["stats"]["tokens_per_round"] > 1.0
         assert spec["text"] == ref["text"]
+
+
+def test_concurrent_sessions_are_batched_and_stay_exact(server, drafters, prompts, hf_greedy, engine):
+    """Twelve sessions at once: the verifier runs their rounds in shared forward passes, and every
+    output still equals its reference (greedy: transformers; seeded: `reference`)."""
+    greedy = [GenerationRequest(tuple(p), max_new_tokens=NEW_TOKENS, gamma=4) for p in prompts[:6]]
+    seeded = [
+        GenerationRequest(tuple(prompts[6]), SamplingParams(seed=s, **SAMPLING), NEW_TOKENS, 3)
+        for s in range(6)
+    ]
+    expected = hf_greedy[:6] + [
+        reference_decode(engine, SessionSpec(r.prompt_token_ids, r.sampling, NEW_TOKENS)) for r in seeded
+    ]
+
+    async def run():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            before = await stub.GetStats(pb.StatsRequest())
+            # One drafter per session: llama.cpp contexts are not shared between threads.
+            sessions = [EdgeSession(channel, drafter) for drafter in concurrent_drafters]
+            results = await asyncio.gather(
+                *(s.run(r) for s, r in zip(sessions, greedy + seeded, strict=True))
+            )
+            after = await stub.GetStats(pb.StatsRequest())
+        return results, before, after
+
+    concurrent_drafters = [
+        LlamaDrafter(DrafterConfig(drafters["f16"].config.model_path, n_ctx=256)) for _ in range(12)
+    ]
+    results, before, after = asyncio.run(run())
+    for i, ((ids, _), want) in enumerate(zip(results, expected, strict=True)):
+        assert ids == want, f"session {i}"
+    forwards = after.engine_forwards - before.engine_forwards
+    batches = after.engine_batches - before.engine_batches
+    assert forwards > batches, "no two sessions ever shared a forward pass"

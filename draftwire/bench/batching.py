@@ -1,0 +1,157 @@
+"""Benchmark: one verifier replica's committed tokens/s with N concurrent sessions, batched vs one at a time.
+
+Both arms run in one invocation on the same engine, prompts and proposals (replayed drafts of the
+target's own greedy continuation, a share of them corrupted), through a real gRPC server on loopback.
+Outputs must equal the target's continuation in both arms.
+
+    python -m draftwire.bench.batching --target DIR [--sessions 16] [--new-tokens 48] [--gamma 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from edge_client.replay import ReplayDrafter
+from edge_client.session import EdgeSession, GenerationRequest
+from verifier_service.batcher import BatchConfig
+from verifier_service.engine import TargetEngine
+from verifier_service.servicer import ServerConfig, start_server
+from verifier_service.session import SessionSpec, reference_decode
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    max_batch: int  # 1: the replica verifies one session at a time
+
+
+@dataclass
+class ArmResult:
+    name: str
+    tokens: int
+    wall_s: float
+    mean_batch: float
+    p50_round_ms: float
+    exact: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def prompts_for(engine: TargetEngine, sessions: int, length: int = 24) -> list[tuple[int, ...]]:
+    """Deterministic prompts of in-vocabulary ids, different per session."""
+    size = engine.info.vocabulary.size
+    return [tuple((7 + 31 * s + 17 * i) % (size - 10) + 5 for i in range(length)) for s in range(sessions)]
+
+
+async def run_arm(engine, arm: Arm, scripts, args) -> ArmResult:
+    config = ServerConfig(port=0, batch=BatchConfig(max_batch=arm.max_batch, window_s=args.window_ms / 1000))
+    server, port = await start_server(engine, config)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            before = await stub.GetStats(pb.StatsRequest())
+            runs = []
+            for s, (prompt, script) in enumerate(scripts):
+                drafter = ReplayDrafter(prompt + tuple(script), engine.info.vocabulary, args.corrupt, seed=s)
+                request = GenerationRequest(
+                    prompt, max_new_tokens=args.new_tokens, gamma=args.gamma, ignore_eos=True
+                )
+                runs.append(EdgeSession(channel, drafter).run(request))
+            start = time.perf_counter()
+            results = await asyncio.gather(*runs)
+            wall = time.perf_counter() - start
+            after = await stub.GetStats(pb.StatsRequest())
+    finally:
+        await server.stop(grace=1.0)
+    batches = after.engine_batches - before.engine_batches
+    forwards = after.engine_forwards - before.engine_forwards
+    rounds = [t for _, stats in results for t in stats.round_s]
+    return ArmResult(
+        name=arm.name,
+        tokens=sum(len(ids) for ids, _ in results),
+        wall_s=wall,
+        mean_batch=forwards / batches if batches else 0.0,
+        p50_round_ms=1000 * statistics.median(rounds),
+        exact=all(ids == script for (ids, _), (_, script) in zip(results, scripts, strict=True)),
+    )
+
+
+async def main_async(args) -> dict:
+    engine = TargetEngine.load(args.target)
+    prompts = prompts_for(engine, args.sessions)
+    scripts = [
+        (p, reference_decode(engine, SessionSpec(p, max_new_tokens=args.new_tokens, ignore_eos=True)))
+        for p in prompts
+    ]
+    arms = [Arm("one session at a time", 1), Arm(f"batched (up to {args.max_batch})", args.max_batch)]
+    results = [await run_arm(engine, arm, scripts, args) for arm in arms]
+    serial, batched = results
+    report = {
+        "target": engine.info.target_id,
+        "sessions": args.sessions,
+        "gamma": args.gamma,
+        "new_tokens": args.new_tokens,
+        "corrupt": args.corrupt,
+        "arms": [
+            {
+                "name": r.name,
+                "tokens_per_s": r.tokens_per_s,
+                "wall_s": r.wall_s,
+                "mean_batch": r.mean_batch,
+                "p50_round_ms": r.p50_round_ms,
+                "exact": r.exact,
+            }
+            for r in results
+        ],
+        "speedup": batched.tokens_per_s / serial.tokens_per_s,
+    }
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"{report['sessions']} concurrent sessions, gamma {report['gamma']}, "
+        f"{report['new_tokens']} new tokens each, target {report['target']}",
+        "",
+        "| arm | committed tokens/s | mean batch | p50 round (ms) | exact |",
+        "|---|---|---|---|---|",
+    ]
+    for a in report["arms"]:
+        cells = [a["name"], f"{a['tokens_per_s']:.0f}", f"{a['mean_batch']:.1f}", f"{a['p50_round_ms']:.1f}"]
+        lines.append("| " + " | ".join([*cells, str(a["exact"])]) + " |")
+    lines.append(f"\nbatched / one at a time: **{report['speedup']:.2f}x**")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--window-ms", type=float, default=0.0, help="batcher's wait for company")
+    ap.add_argument("--json", type=Path, help="also write the report here")
+    args = ap.parse_args(argv)
+    report = asyncio.run(main_async(args))
+    print(markdown(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all(a["exact"] for a in report["arms"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
