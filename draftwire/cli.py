@@ -76,6 +76,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=Path, required=True)
     _add_chat(p)
 
+    p = sub.add_parser(
+        "bench", help="draftwire against the target alone and assisted generation, side by side"
+    )
+    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
+    p.add_argument("--draft-hf", type=Path, help="the draft's transformers form, for assisted generation")
+    p.add_argument("--prompts", type=int, default=20, help="held-out prompts")
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8))
+    p.add_argument("--rtts", type=_ids, default=(10, 30, 80), help="round-trip times in ms")
+    p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the runs behind the delaying proxy")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
+
     p = sub.add_parser("demo", help="start a verifier on a free loopback port with the demo pair and chat")
     p.add_argument("--prompt", help="answer this once and exit")
     p.add_argument(
@@ -103,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "reference": _reference,
             "chat": _chat,
             "demo": _demo,
+            "bench": _bench,
         }[args.command](args)
     except KeyboardInterrupt:
         return 130
@@ -221,6 +236,25 @@ def _chat(args) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def _bench(args) -> int:
+    from draftwire.bench.prompts import heldout_prompts
+    from draftwire.bench.speed import BenchConfig, run_all, write_outputs
+
+    config = BenchConfig(
+        target_dir=args.target,
+        draft_gguf=args.draft,
+        draft_hf=args.draft_hf,
+        prompts=heldout_prompts(args.target, args.prompts, args.prompt_tokens),
+        max_new_tokens=args.max_new_tokens,
+        gammas=args.gammas,
+        rtts_ms=args.rtts,
+        delay_gamma=args.delay_gamma,
+    )
+    report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    print(write_outputs(report, args.out))
+    return 0 if all(report["exact"].values()) else 1
 
 
 def _demo(args) -> int:

@@ -51,6 +51,7 @@ class GenerationStats:
     draft_s: float = 0.0  # time spent drafting on the edge
     round_s: list[float] = field(default_factory=list)  # send to verdict, per round
     resumes: int = 0  # streams re-opened with the committed tokens after UNAVAILABLE
+    wire_bytes: int = 0  # serialized protobuf payload sent and received (no HTTP/2 framing)
 
     @property
     def acceptance_rate(self) -> float:
@@ -128,7 +129,9 @@ class EdgeSession:
         sequence = [*request.prompt_token_ids, *generated]
         call = self.stub.Session()
         try:
-            await _write(call, pb.EdgeMessage(open=self._open_message(request, generated)))
+            opening = pb.EdgeMessage(open=self._open_message(request, generated))
+            stats.wire_bytes += opening.ByteSize()
+            await _write(call, opening)
             for round_no in itertools.count(1):
                 gamma = max(1, min(request.gamma, budget - len(generated) - 1, info.max_gamma))
                 t0 = time.perf_counter()
@@ -137,8 +140,10 @@ class EdgeSession:
                 )
                 t1 = time.perf_counter()
                 proposal = pb.Proposal(round=round_no, start_position=len(sequence), draft_token_ids=draft)
-                await _write(call, pb.EdgeMessage(proposal=proposal))
+                message = pb.EdgeMessage(proposal=proposal)
+                await _write(call, message)
                 verdict = await self._next_verdict(call)
+                stats.wire_bytes += message.ByteSize() + verdict.ByteSize()
                 stats.round_s.append(time.perf_counter() - t1)
                 stats.draft_s += t1 - t0
                 new = draft[: verdict.accepted]

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from draftwire.serverproc import DRAFTWIRE, ServerProcess
 from edge_client.chat import ChatConfig, chat, chat_prompt, render_chat, reply
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession
-from tests.conftest import DRAFTWIRE, ServerProcess
 
 TEMPLATE = (
     "{% for m in messages %}{{ bos_token }}{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"

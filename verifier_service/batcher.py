@@ -8,6 +8,7 @@ no waiting. An optional window holds the first forward a little longer to gather
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class BatchConfig:
 class BatchStats:
     batches: int = 0  # engine calls
     forwards: int = 0  # session forwards inside them
+    seconds: float = 0.0  # wall time of the engine calls
 
 
 class Batcher:
@@ -89,8 +91,11 @@ class Batcher:
                         future.set_result(result)
 
     def _step(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
-        results = self.engine.forward_many(forwards) if forwards else []
+        results = []
         if forwards:
+            start = time.perf_counter()
+            results = self.engine.forward_many(forwards)
+            self.stats.seconds += time.perf_counter() - start
             self.stats.batches += 1
             self.stats.forwards += len(forwards)
         for key in releases:

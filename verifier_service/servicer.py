@@ -119,6 +119,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             target_positions_per_token=s.target_positions_per_token,
             engine_batches=self.batcher.stats.batches,
             engine_forwards=self.batcher.stats.forwards,
+            engine_seconds=self.batcher.stats.seconds,
         )
 
     async def Session(self, request_iterator, context):

@@ -147,7 +147,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class ServerStats(_message.Message):
     TARGET_POSITIONS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -166,4 +167,5 @@ class ServerStats(_message.Message):
     target_positions_per_token: float
     engine_batches: int
     engine_forwards: int
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ...) -> None: ...
+    engine_seconds: float
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,290 @@
+"""`draftwire bench`: draftwire against the target alone and transformers' assisted generation, one run.
+
+Arms, on the same prompts and models: (a) the target alone through our engine, one token per forward;
+(b) transformers' `generate(assistant_model=...)` with the draft's transformers form, greedy; (c)
+draftwire over loopback gRPC (a `draftwire serve` child process, the llama.cpp draft here) for a
+sweep of gamma, greedy and seeded sampling; (d) the same through a delaying proxy at several RTTs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from draftwire.netdelay import DelayConfig, DelayProxy
+from draftwire.serverproc import ServerProcess
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from verifier_service.engine import TargetEngine
+from verifier_service.rules import SamplingParams
+from verifier_service.session import SessionSpec, reference_decode
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target_dir: Path  # transformers target
+    draft_gguf: Path  # the edge's draft
+    draft_hf: Path | None  # the draft's transformers form, for assisted generation; None skips (b)
+    prompts: tuple[tuple[int, ...], ...]  # prompt ids
+    max_new_tokens: int = 64
+    gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
+    rtts_ms: tuple[float, ...] = (10, 30, 80)
+    delay_gamma: int = 4  # gamma of the delayed arms
+    temperature: float = 0.8  # the sampled mode; greedy always runs
+    seed: int = 1234
+
+
+@dataclass
+class Row:
+    arm: str  # a, b, c, d
+    label: str
+    mode: str  # greedy or sampled
+    gamma: int = 0
+    rtt_ms: float = 0.0
+    tokens: int = 0
+    wall_s: float = 0.0
+    acceptance: float | None = None
+    tokens_per_round: float | None = None
+    expected_tokens_per_round: float | None = None  # (1 - a^(g+1)) / (1 - a)
+    target_positions_per_token: float | None = None
+    bytes_per_token: float | None = None
+    round_ms_p50: float | None = None
+    round_ms_p99: float | None = None
+    draft_ms_per_round: float | None = None
+    verify_ms_per_round: float | None = None
+    wire_ms_per_round: float | None = None  # send-to-verdict time not spent verifying
+    speedup: float | None = None  # tokens/s over arm (a) in the same mode
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def expected_tokens_per_round(acceptance: float, gamma: int) -> float:
+    """Tokens per round when each draft token is accepted independently with probability a."""
+    if acceptance >= 1.0:
+        return gamma + 1.0
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _params(mode: str, config: BenchConfig, index: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams()
+    return SamplingParams(temperature=config.temperature, seed=config.seed + index)
+
+
+def run_target_alone(config: BenchConfig, engine: TargetEngine, mode: str) -> Row:
+    row = Row("a", "target alone (one token per forward)", mode)
+    start = time.perf_counter()
+    for i, prompt in enumerate(config.prompts):
+        spec = SessionSpec(prompt, _params(mode, config, i), config.max_new_tokens, ignore_eos=True)
+        row.outputs.append(reference_decode(engine, spec))
+    row.wall_s = time.perf_counter() - start
+    row.tokens = sum(map(len, row.outputs))
+    row.tokens_per_round = row.target_positions_per_token = 1.0
+    return row
+
+
+def run_assisted(config: BenchConfig) -> Row:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(config.target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(config.draft_hf, dtype=torch.float32).eval()
+    row = Row("b", "transformers assisted generation", "greedy")
+    start = time.perf_counter()
+    for prompt in config.prompts:
+        ids = torch.tensor([prompt])
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=config.max_new_tokens,
+            min_new_tokens=config.max_new_tokens,
+            pad_token_id=target.config.pad_token_id,
+        )
+        row.outputs.append(out[0, len(prompt) :].tolist())
+    row.wall_s = time.perf_counter() - start
+    row.tokens = sum(map(len, row.outputs))
+    return row
+
+
+async def run_draftwire(
+    config: BenchConfig,
+    drafter: LlamaDrafter,
+    address: str,
+    upstream: str,
+    mode: str,
+    gamma: int,
+    rtt_ms: float,
+) -> Row:
+    arm = "d" if rtt_ms else "c"
+    label = f"draftwire, {rtt_ms:g} ms RTT" if rtt_ms else "draftwire, loopback"
+    row = Row(arm, label, mode, gamma, rtt_ms)
+    all_stats: list[GenerationStats] = []
+    async with grpc.aio.insecure_channel(upstream) as stats_channel:
+        stats_stub = pb_grpc.VerifierStub(stats_channel)
+        before = await stats_stub.GetStats(pb.StatsRequest())
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = EdgeSession(channel, drafter)
+            await session.model_info()
+            for i, prompt in enumerate(config.prompts):
+                request = GenerationRequest(
+                    prompt, _params(mode, config, i), config.max_new_tokens, gamma, ignore_eos=True
+                )
+                ids, stats = await session.run(request)
+                row.outputs.append(ids)
+                all_stats.append(stats)
+        after = await stats_stub.GetStats(pb.StatsRequest())
+    rounds = sum(s.rounds for s in all_stats)
+    row.tokens = sum(map(len, row.outputs))
+    row.wall_s = sum(s.wall_s for s in all_stats)
+    row.acceptance = sum(s.accepted_tokens for s in all_stats) / sum(s.draft_tokens for s in all_stats)
+    row.tokens_per_round = row.tokens / rounds
+    row.expected_tokens_per_round = expected_tokens_per_round(row.acceptance, gamma)
+    row.target_positions_per_token = (after.round_positions - before.round_positions) / row.tokens
+    row.bytes_per_token = sum(s.wire_bytes for s in all_stats) / row.tokens
+    round_ms = [1000 * t for s in all_stats for t in s.round_s]
+    row.round_ms_p50, row.round_ms_p99 = _percentile(round_ms, 0.5), _percentile(round_ms, 0.99)
+    row.draft_ms_per_round = 1000 * sum(s.draft_s for s in all_stats) / rounds
+    row.verify_ms_per_round = 1000 * (after.engine_seconds - before.engine_seconds) / rounds
+    row.wire_ms_per_round = statistics.fmean(round_ms) - row.verify_ms_per_round
+    return row
+
+
+async def run_all(config: BenchConfig, log=print) -> dict:
+    engine = TargetEngine.load(config.target_dir)
+    rows: list[Row] = []
+    modes = ("greedy", "sampled")
+    for mode in modes:
+        log(f"(a) target alone, {mode}")
+        rows.append(run_target_alone(config, engine, mode))
+    reference = {r.mode: r for r in rows}
+    if config.draft_hf is not None:
+        log("(b) transformers assisted generation, greedy")
+        rows.append(run_assisted(config))
+    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf))
+    with ServerProcess(config.target_dir, "--max-gamma", str(max(config.gammas))) as server:
+        host, port = server.address.rsplit(":", 1)
+        for mode in modes:
+            for gamma in config.gammas:
+                log(f"(c) draftwire loopback, {mode}, gamma {gamma}")
+                rows.append(
+                    await run_draftwire(config, drafter, server.address, server.address, mode, gamma, 0)
+                )
+            for rtt in config.rtts_ms:
+                log(f"(d) draftwire at {rtt:g} ms RTT, {mode}, gamma {config.delay_gamma}")
+                async with DelayProxy(DelayConfig(host, int(port), rtt / 1000)) as proxy:
+                    rows.append(
+                        await run_draftwire(
+                            config, drafter, proxy.address, server.address, mode, config.delay_gamma, rtt
+                        )
+                    )
+    for row in rows:
+        row.speedup = row.tokens_per_s / reference[row.mode].tokens_per_s
+    exact = {
+        f"{r.arm}/{r.mode}/g{r.gamma}/rtt{r.rtt_ms:g}": r.outputs == reference[r.mode].outputs for r in rows
+    }
+    return {
+        "config": {
+            k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "prompts"
+        },
+        "prompts": len(config.prompts),
+        "rows": [
+            {**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tokens_per_s": r.tokens_per_s}
+            for r in rows
+        ],
+        "exact": exact,
+    }
+
+
+def markdown(report: dict) -> str:
+    head = (
+        "| arm | mode | γ | RTT ms | tok/s | × (a) | accept | tok/round | theory | target pos/tok | B/tok "
+        "| round p50 ms | p99 ms | draft ms | verify ms | wire ms |"
+    )
+    lines = [head, "|" + "---|" * 16]
+
+    def f(v, fmt=".2f"):
+        return "" if v is None else format(v, fmt)
+
+    for r in report["rows"]:
+        cells = [
+            f"({r['arm']}) {r['label']}",
+            r["mode"],
+            str(r["gamma"] or ""),
+            f(r["rtt_ms"] or None, "g"),
+            f"{r['tokens_per_s']:.1f}",
+            f(r["speedup"]),
+            f(r["acceptance"]),
+            f(r["tokens_per_round"]),
+            f(r["expected_tokens_per_round"]),
+            f(r["target_positions_per_token"]),
+            f(r["bytes_per_token"], ".0f"),
+            *(f(r[k], ".1f") for k in ("round_ms_p50", "round_ms_p99", "draft_ms_per_round")),
+            *(f(r[k], ".1f") for k in ("verify_ms_per_round", "wire_ms_per_round")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    bad = [k for k, ok in report["exact"].items() if not ok]
+    lines.append("")
+    lines.append("every arm's output equals (a)'s" if not bad else f"outputs differing from (a): {bad}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("greedy", "o-"), ("sampled", "s--")):
+        loop = [r for r in rows if r["arm"] == "c" and r["mode"] == mode]
+        left.plot(
+            [r["gamma"] for r in loop],
+            [r["speedup"] for r in loop],
+            style,
+            label=f"draftwire loopback, {mode}",
+        )
+        delayed = [
+            r
+            for r in rows
+            if r["arm"] in "cd" and r["mode"] == mode and r["gamma"] == report["config"]["delay_gamma"]
+        ]
+        right.plot([r["rtt_ms"] for r in delayed], [r["speedup"] for r in delayed], style, label=mode)
+    for r in rows:
+        if r["arm"] == "b":
+            left.axhline(r["speedup"], color="grey", linestyle=":", label="transformers assisted (greedy)")
+    for ax in (left, right):
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel("tokens/s over the target alone")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    left.set_xlabel("gamma (draft tokens per round)")
+    right.set_xlabel(f"round-trip time, ms (gamma {report['config']['delay_gamma']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_outputs(report: dict, out_dir: Path) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out_dir / "bench.png")
+    table = markdown(report)
+    (out_dir / "bench.md").write_text(table + "\n")
+    return table
