@@ -58,6 +58,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed)")
     p.add_argument("--max-gamma", type=int, default=16)
     p.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-batch", type=int, default=32, help="most sessions verified in one forward pass")
+    p.add_argument(
+        "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
+    )
 
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
@@ -124,12 +128,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
+    from verifier_service.batcher import BatchConfig
     from verifier_service.engine import TargetEngine
     from verifier_service.servicer import ServerConfig
     from verifier_service.session import VerifierLimits
 
     config = ServerConfig(
-        args.host, args.port, args.max_message_bytes, VerifierLimits(max_gamma=args.max_gamma)
+        args.host,
+        args.port,
+        args.max_message_bytes,
+        VerifierLimits(max_gamma=args.max_gamma),
+        BatchConfig(max_batch=args.max_batch, window_s=args.batch_window_ms / 1000),
     )
     engine = TargetEngine.load(args.target)
     asyncio.run(_serve_until_signal(engine, config))

@@ -20,7 +20,10 @@ from verifier_service.engine import Forward, TargetEngine
 @dataclass(frozen=True)
 class BatchConfig:
     max_batch: int = 32  # most sessions in one forward pass
-    window_s: float = 0.0  # extra wait for company before a batch starts; 0 batches only what queued
+    # Before a batch starts, wait for the open sessions that have no forward queued yet, at most
+    # window_s and at most window_fraction of the last batch's duration; 0 batches only what queued.
+    window_s: float = 0.01
+    window_fraction: float = 0.5
 
 
 @dataclass
@@ -38,6 +41,8 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self._pending: list[tuple[Forward, asyncio.Future]] = []
         self._releases: list[str] = []
+        self._open: set[str] = set()  # sessions that may send a forward
+        self._last_batch_s = 0.0
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -48,8 +53,13 @@ class Batcher:
         self._kick()
         return await future
 
+    def join(self, key: str) -> None:
+        """Counts a session as open: batches wait a little for its forwards."""
+        self._open.add(key)
+
     def release(self, key: str) -> None:
         """Frees a session's cache after every forward of it already queued."""
+        self._open.discard(key)
         self._releases.append(key)
         self._kick()
 
@@ -67,9 +77,8 @@ class Batcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.config.window_s and self._pending:
-                await asyncio.sleep(self.config.window_s)
             while self._pending or self._releases:
+                await self._gather()
                 batch, keys = [], set()
                 for item in self._pending:
                     forward, future = item
@@ -90,12 +99,27 @@ class Batcher:
                     if not future.done():
                         future.set_result(result)
 
+    async def _gather(self) -> None:
+        # Sessions answered by the last batch come back after their edge's draft and a round trip;
+        # without this wait they would form a second batch that alternates with the first.
+        loop = asyncio.get_running_loop()
+        window = min(self.config.window_s, self.config.window_fraction * self._last_batch_s)
+        deadline = loop.time() + window
+        wanted = min(len(self._open), self.config.max_batch)
+        while len(self._pending) < wanted and (left := deadline - loop.time()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
+
     def _step(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
         results = []
         if forwards:
             start = time.perf_counter()
             results = self.engine.forward_many(forwards)
-            self.stats.seconds += time.perf_counter() - start
+            self._last_batch_s = time.perf_counter() - start
+            self.stats.seconds += self._last_batch_s
             self.stats.batches += 1
             self.stats.forwards += len(forwards)
         for key in releases:

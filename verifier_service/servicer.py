@@ -133,6 +133,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         raise InvalidRequest("the first message of a session must be `open`")
                     spec = spec_from_proto(message.open)
                     session = VerifierSession(self.engine, spec, self.config.limits, self.stats, key)
+                    self.batcher.join(key)
                     await self.batcher.forward(session.prefill())
                     yield pb.VerifierMessage(
                         opened=pb.SessionOpened(session_id=key, committed_length=len(session.committed))

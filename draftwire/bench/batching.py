@@ -19,13 +19,12 @@ from pathlib import Path
 
 import grpc
 
+from draftwire.serverproc import ServerProcess
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from verifier_service.batcher import BatchConfig
 from verifier_service.engine import TargetEngine
-from verifier_service.servicer import ServerConfig, start_server
 from verifier_service.session import SessionSpec, reference_decode
 
 
@@ -55,16 +54,17 @@ def prompts_for(engine: TargetEngine, sessions: int, length: int = 24) -> list[t
     return [tuple((7 + 31 * s + 17 * i) % (size - 10) + 5 for i in range(length)) for s in range(sessions)]
 
 
-async def run_arm(engine, arm: Arm, scripts, args) -> ArmResult:
-    config = ServerConfig(port=0, batch=BatchConfig(max_batch=arm.max_batch, window_s=args.window_ms / 1000))
-    server, port = await start_server(engine, config)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+async def run_arm(target: Path, vocabulary, arm: Arm, scripts, args) -> ArmResult:
+    # The verifier runs in its own process, as it would beside remote edges: the clients' Python
+    # work here does not steal the replica's interpreter.
+    flags = ["--max-batch", str(arm.max_batch), "--batch-window-ms", str(args.window_ms)]
+    with ServerProcess(target, *flags) as server:
+        async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.VerifierStub(channel)
             before = await stub.GetStats(pb.StatsRequest())
             runs = []
             for s, (prompt, script) in enumerate(scripts):
-                drafter = ReplayDrafter(prompt + tuple(script), engine.info.vocabulary, args.corrupt, seed=s)
+                drafter = ReplayDrafter(prompt + tuple(script), vocabulary, args.corrupt, seed=s)
                 request = GenerationRequest(
                     prompt, max_new_tokens=args.new_tokens, gamma=args.gamma, ignore_eos=True
                 )
@@ -73,8 +73,6 @@ async def run_arm(engine, arm: Arm, scripts, args) -> ArmResult:
             results = await asyncio.gather(*runs)
             wall = time.perf_counter() - start
             after = await stub.GetStats(pb.StatsRequest())
-    finally:
-        await server.stop(grace=1.0)
     batches = after.engine_batches - before.engine_batches
     forwards = after.engine_forwards - before.engine_forwards
     rounds = [t for _, stats in results for t in stats.round_s]
@@ -96,7 +94,7 @@ async def main_async(args) -> dict:
         for p in prompts
     ]
     arms = [Arm("one session at a time", 1), Arm(f"batched (up to {args.max_batch})", args.max_batch)]
-    results = [await run_arm(engine, arm, scripts, args) for arm in arms]
+    results = [await run_arm(args.target, engine.info.vocabulary, arm, scripts, args) for arm in arms]
     serial, batched = results
     report = {
         "target": engine.info.target_id,
@@ -143,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
     ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--window-ms", type=float, default=0.0, help="batcher's wait for company")
+    ap.add_argument("--window-ms", type=float, default=10.0, help="batcher's longest wait for open sessions")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     report = asyncio.run(main_async(args))
