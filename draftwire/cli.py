@@ -94,6 +94,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the runs behind the delaying proxy")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
+    p = sub.add_parser("models", help="build the demo model pair from local data")
+    models = p.add_subparsers(dest="models_command", required=True)
+    b = models.add_parser(
+        "build", help="tokenizer, trained target, distilled draft, GGUF exports, model card"
+    )
+    b.add_argument("--out", type=Path, default=None, help="default: models/demo in the repository")
+    b.add_argument("--stage", choices=("train", "card"), action="append", help="run only these stages")
+    b.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run of the pipeline")
+
     p = sub.add_parser("demo", help="start a verifier on a free loopback port with the demo pair and chat")
     p.add_argument("--prompt", help="answer this once and exit")
     p.add_argument(
@@ -122,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "chat": _chat,
             "demo": _demo,
             "bench": _bench,
+            "models": _models,
         }[args.command](args)
     except KeyboardInterrupt:
         return 130
@@ -264,6 +274,14 @@ def _bench(args) -> int:
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
     print(write_outputs(report, args.out))
     return 0 if all(report["exact"].values()) else 1
+
+
+def _models(args) -> int:
+    from draftwire.demopair.build import DEFAULT_OUT, build
+
+    card = build(args.out or DEFAULT_OUT, tuple(args.stage or ("train", "card")), quick=args.quick)
+    print(f"draftwire: model pair built; card at {card}")
+    return 0
 
 
 def _demo(args) -> int:

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +39,11 @@ convert_hf_to_gguf.main()
 
 
 def train_bpe_tokenizer(
-    texts: Iterable[str], vocab_size: int, out_dir: Path, chat_template: str | None = None
+    texts: Iterable[str],
+    vocab_size: int,
+    out_dir: Path,
+    chat_template: str | None = None,
+    extra_special_tokens: Sequence[str] = (),
 ) -> Path:
     """Trains a byte-level BPE tokenizer and saves it as a transformers tokenizer directory.
 
@@ -51,7 +55,7 @@ def train_bpe_tokenizer(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [_BOS, _EOS, _PAD]
+    specials = [_BOS, _EOS, _PAD, *extra_special_tokens]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + len(specials):
         raise ValueError(f"vocab_size {vocab_size} < {len(alphabet) + len(specials)} (bytes + specials)")
@@ -72,6 +76,8 @@ def train_bpe_tokenizer(
     tokenizer.train_from_iterator(texts, trainer)
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=_BOS, eos_token=_EOS, pad_token=_PAD)
+    if extra_special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
     if chat_template is not None:
         fast.chat_template = chat_template
     out_dir.mkdir(parents=True, exist_ok=True)

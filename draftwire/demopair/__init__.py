@@ -1,0 +1,1 @@
+"""The demo model pair: a tokenizer, a target and a distilled draft, built from the standard library."""
