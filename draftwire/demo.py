@@ -7,21 +7,26 @@ from pathlib import Path
 
 import grpc
 
-from draftwire.modelkit import build_test_pair
+from draftwire.demopair.build import DEFAULT_OUT, PairFiles
 from edge_client.chat import ChatConfig, chat
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig, start_server
 
-# Until the trained demo pair is committed, the demo builds the small random pair that the tests use.
-DEFAULT_PAIR_DIR = Path.home() / ".cache" / "draftwire" / "demo-pair"
+# The draft the demo runs: chosen by the card's acceptance and speed (models/demo/model_card.md).
+DEMO_DRAFT = "q8_0"
 
 
-def demo_pair(models: Path | None) -> tuple[Path, Path]:
-    """(target directory, draft GGUF) of the demo; builds the pair when it is missing."""
-    pair = build_test_pair(models or DEFAULT_PAIR_DIR)
-    return pair.target_dir, pair.draft_q4_0
+def demo_pair(models: Path | None, draft_kind: str = DEMO_DRAFT) -> tuple[Path, Path]:
+    """(target directory, draft GGUF) of a pair built by `draftwire models build` (default: the
+    committed one). Raises FileNotFoundError naming the command that builds it."""
+    files = PairFiles(models or DEFAULT_OUT)
+    if not (files.target / "config.json").is_file() or not files.gguf(draft_kind).is_file():
+        raise FileNotFoundError(
+            f"no model pair in {files.root}: run `draftwire models build --out {files.root}`"
+        )
+    return files.target, files.gguf(draft_kind)
 
 
 async def run_demo(models: Path | None, config: ChatConfig, prompt: str | None) -> int:

@@ -1,4 +1,4 @@
-"""Benchmark prompts: code from standard-library files that the models were not trained on."""
+"""Benchmark prompts: the start of held-out windows of the demo corpus (files no model trained on)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from draftwire.modelkit import stdlib_texts
-
-# Past the first 2 M characters of the standard library: beyond what the test pair trains on.
-_SKIP_CHARS = 2_000_000
+from draftwire.demopair.corpus import WINDOW, heldout_windows
 
 
 def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[int, ...], ...]:
-    """`count` prompts of `tokens` ids each, cut at line starts of held-out source, in the target's
-    tokenizer. Raises ValueError when the held-out text is too short."""
+    """`count` prompts of `tokens` ids, in the target's tokenizer. Raises ValueError when the
+    held-out files are too short for that many."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    text = "".join(stdlib_texts(count * tokens * 12, skip_chars=_SKIP_CHARS))
-    lines = text.splitlines(keepends=True)
-    step = max(1, len(lines) // count)
-    prompts = []
-    for i in range(0, len(lines), step):
-        ids = tokenizer("".join(lines[i : i + 40]))["input_ids"][:tokens]
-        if len(ids) == tokens:
-            prompts.append(tuple(ids))
-        if len(prompts) == count:
-            return tuple(prompts)
-    raise ValueError(f"held-out text gave {len(prompts)} prompts of {tokens} tokens, not {count}")
+    windows = heldout_windows(tokenizer, count, max(tokens, WINDOW))
+    if len(windows) < count:
+        raise ValueError(f"held-out files give {len(windows)} windows, not {count}")
+    return tuple(tuple(w[:tokens]) for w in windows)

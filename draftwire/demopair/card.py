@@ -13,26 +13,10 @@ import torch
 from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftwire.demopair.corpus import corpus_files
+from draftwire.demopair.corpus import WINDOW, corpus_files, heldout_windows
 
 GGUF_KINDS = ("f16", "q8_0", "q4_0")
-WINDOW = 256  # tokens per held-out evaluation window
 STALENESS_POSITIONS = 512  # the card's agreement over the first windows, which a test recomputes
-
-
-def heldout_stream(tokenizer) -> list[int]:
-    """Every held-out file's tokens, EOS-separated, in path order."""
-    stream: list[int] = []
-    for ids in tokenizer([f.text for f in corpus_files(heldout=True)])["input_ids"]:
-        stream += [*ids, tokenizer.eos_token_id]
-    return stream
-
-
-def heldout_windows(tokenizer, count: int, length: int = WINDOW) -> list[list[int]]:
-    """Consecutive, non-overlapping windows of the held-out stream."""
-    stream = heldout_stream(tokenizer)
-    windows = [stream[i * length : (i + 1) * length] for i in range(min(count, len(stream) // length))]
-    return windows
 
 
 def load_target(path: Path):

@@ -18,6 +18,8 @@ from pathlib import Path
 _SKIP_PARTS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
 _MAX_FILE_BYTES = 300_000
 
+WINDOW = 256  # tokens per held-out evaluation window
+
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 
 # Rendered the same by transformers' apply_chat_template and edge_client.chat.render_chat. Each turn
@@ -93,3 +95,18 @@ def chat_pairs(files: list[CorpusFile], max_answer_chars: int = 1200) -> list[Ch
 
 def chat_messages(pair: ChatPair) -> list[dict[str, str]]:
     return [{"role": "user", "content": pair.request}, {"role": "assistant", "content": pair.answer}]
+
+
+def heldout_stream(tokenizer) -> list[int]:
+    """Every held-out file's tokens, EOS-separated, in path order."""
+    stream: list[int] = []
+    for ids in tokenizer([f.text for f in corpus_files(heldout=True)])["input_ids"]:
+        stream += [*ids, tokenizer.eos_token_id]
+    return stream
+
+
+def heldout_windows(tokenizer, count: int, length: int = WINDOW) -> list[list[int]]:
+    """Consecutive, non-overlapping windows of the held-out stream."""
+    stream = heldout_stream(tokenizer)
+    windows = [stream[i * length : (i + 1) * length] for i in range(min(count, len(stream) // length))]
+    return windows
