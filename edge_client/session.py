@@ -17,7 +17,7 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from edge_client.drafter import LlamaDrafter
+from edge_client.drafter import Drafter
 from verifier_service.rules import SamplingParams
 
 
@@ -75,7 +75,7 @@ class GenerationStats:
 class EdgeSession:
     """Runs generations against one verifier channel with one drafter."""
 
-    def __init__(self, channel: grpc.aio.Channel, drafter: LlamaDrafter, max_resumes: int = 3):
+    def __init__(self, channel: grpc.aio.Channel, drafter: Drafter, max_resumes: int = 3):
         self.stub = pb_grpc.VerifierStub(channel)
         self.drafter = drafter
         self.max_resumes = max_resumes  # re-opens after UNAVAILABLE, per generation
