@@ -1,7 +1,6 @@
 """The delaying proxy delays what it claims; a dropped connection is resumed with no token lost."""
 
 import asyncio
-import statistics
 import time
 
 import grpc
@@ -16,7 +15,7 @@ from verifier_service.engine import TargetEngine
 from verifier_service.session import SessionSpec, reference_decode
 
 
-async def median_rtt_ms(address: str, n: int = 15) -> float:
+async def best_rtt_ms(address: str, n: int = 15) -> float:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         await stub.GetStats(pb.StatsRequest())  # connect first
@@ -25,7 +24,8 @@ async def median_rtt_ms(address: str, n: int = 15) -> float:
             start = time.perf_counter()
             await stub.GetStats(pb.StatsRequest())
             times.append(1000 * (time.perf_counter() - start))
-        return statistics.median(times)
+        # The fastest of several: what the path costs, without the machine's scheduling hiccups.
+        return min(times)
 
 
 @pytest.mark.parametrize("rtt_ms", [10, 30])
@@ -33,14 +33,13 @@ def test_proxy_adds_the_round_trip_time_it_claims(server, rtt_ms):
     host, port = server.address.rsplit(":", 1)
 
     async def measure():
-        direct = await median_rtt_ms(server.address)
+        direct = await best_rtt_ms(server.address)
         async with DelayProxy(DelayConfig(host, int(port), rtt_ms / 1000)) as proxy:
-            delayed = await median_rtt_ms(proxy.address)
+            delayed = await best_rtt_ms(proxy.address)
             return direct, delayed, proxy.bytes_up, proxy.bytes_down
 
     direct, delayed, up, down = asyncio.run(measure())
-    # Never less than claimed; more only by the event loop's wake-up latency on a busy machine.
-    assert rtt_ms - 1 <= delayed - direct <= 1.5 * rtt_ms + 10, (direct, delayed)
+    assert rtt_ms - 1 <= delayed - direct <= rtt_ms + max(5, 0.2 * rtt_ms), (direct, delayed)
     assert up > 0 and down > 0
 
 
