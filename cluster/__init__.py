@@ -1,1 +1,1 @@
-"""The Ray verifier pool: replicas, session routing, scaling, recovery (to come)."""
+"""The Ray verifier pool: replicas on Ray actors, one gRPC front that pumps each session to one of them."""

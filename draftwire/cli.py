@@ -62,6 +62,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
     )
+    ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
+    ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
+    ray_group.add_argument(
+        "--address", help="Ray cluster to join (default: RAY_ADDRESS, set in a Ray job; else a local one)"
+    )
+    ray_group.add_argument("--replicas", type=int, default=1, help="replicas (the minimum when autoscaling)")
+    ray_group.add_argument("--max-replicas", type=int, help="autoscale up to this many by open sessions")
+    ray_group.add_argument("--sessions-per-replica", type=float, default=8.0, help="the autoscaler's aim")
+    ray_group.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
+    ray_group.add_argument(
+        "--replica-host", default="", help="address replicas bind (default: their node's, as Ray reports it)"
+    )
+
+    p = sub.add_parser("loadtest", help="many concurrent edge sessions against a verifier or pool")
+    p.add_argument("--server", required=True, help="HOST:PORT of the verifier or the pool's front")
+    p.add_argument("--sessions", type=int, default=16, help="concurrent sessions")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds to keep opening sessions")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens each generation commits")
+    p.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
+    p.add_argument("--prompts", type=int, default=8, help="distinct prompts, recorded once before the load")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
@@ -126,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {
             "serve": _serve,
+            "loadtest": _loadtest,
             "generate": _generate,
             "reference": _reference,
             "chat": _chat,
@@ -150,6 +174,8 @@ def _serve(args) -> int:
         VerifierLimits(max_gamma=args.max_gamma),
         BatchConfig(max_batch=args.max_batch, window_s=args.batch_window_ms / 1000),
     )
+    if args.ray:
+        return _serve_pool(args, config)
     engine = TargetEngine.load(args.target)
     asyncio.run(_serve_until_signal(engine, config))
     return 0
@@ -166,6 +192,58 @@ async def _serve_until_signal(engine, config) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=2.0)
+
+
+def _serve_pool(args, server) -> int:
+    import dataclasses
+    import os
+
+    from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
+    from cluster.serve import RayConfig, run
+
+    config = PoolConfig(
+        replica=ReplicaConfig(
+            target_dir=args.target.resolve(),
+            server=dataclasses.replace(server, host=args.replica_host, port=0),
+            num_cpus=args.replica_cpus,
+            num_gpus=args.replica_gpus,
+        ),
+        scaling=ScalingConfig(
+            min_replicas=args.replicas,
+            max_replicas=args.max_replicas or args.replicas,
+            target_sessions_per_replica=args.sessions_per_replica,
+        ),
+        front=server,
+    )
+    # A Ray job's driver finds its cluster in RAY_ADDRESS; without either, a private local cluster.
+    run(config, RayConfig(args.address or os.environ.get("RAY_ADDRESS") or "local"))
+    return 0
+
+
+def _loadtest(args) -> int:
+    from cluster.loadtest import LoadConfig, report_text, run_load
+    from edge_client.session import VerifierError
+
+    config = LoadConfig(
+        sessions=args.sessions,
+        duration_s=args.duration,
+        gamma=args.gamma,
+        new_tokens=args.new_tokens,
+        corrupt=args.corrupt,
+        prompts=args.prompts,
+    )
+
+    async def run() -> dict:
+        async with _channel(args.server) as channel:
+            return await run_load(channel, config)
+
+    try:
+        report = asyncio.run(run())
+    except (VerifierError, grpc.aio.AioRpcError) as e:
+        print(f"draftwire: loadtest could not record its scripts: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report) if args.json else report_text(report))
+    return 0 if report["errors"] == {} and report["mismatches"] == 0 else 1
 
 
 def _channel(address: str) -> grpc.aio.Channel:

@@ -1,0 +1,49 @@
+"""Typed configuration of the verifier pool, built once at the entry point and passed down by field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verifier_service.servicer import ServerConfig
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    target_dir: Path  # transformers model directory each replica loads (a path on every node)
+    # The replica's own verifier server. Its port is always 0 (a free one); host "" binds the address
+    # Ray reports for the replica's node, which the front can reach from another node.
+    server: ServerConfig = ServerConfig(host="", port=0)
+    num_cpus: float = 1.0  # Ray resources one replica holds (fractional values pack replicas)
+    num_gpus: float = 0.0
+    max_restarts: int = -1  # Ray restarts a dead replica process this often; -1 without end
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    min_replicas: int = 1
+    max_replicas: int = 1  # equal to min_replicas: a fixed pool, no autoscaling
+    # Autoscaling aims at this many open sessions (streaming or waiting for a replica) per replica.
+    target_sessions_per_replica: float = 8.0
+    interval_s: float = 1.0  # how often the autoscaler and the health check look
+    # Load must call for fewer replicas this long before one is drained: short dips do not flap.
+    downscale_delay_s: float = 30.0
+    # A draining replica is killed when its last session ends, or after this long (None: never early).
+    drain_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"replicas: need 1 <= min <= max, got {self.min_replicas}, {self.max_replicas}")
+        if self.target_sessions_per_replica <= 0:
+            raise ValueError("target_sessions_per_replica must be positive")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    replica: ReplicaConfig
+    scaling: ScalingConfig = ScalingConfig()
+    # The front edges connect to: host, port, message size limit (its limits and batch fields are
+    # the replicas' business and unused here).
+    front: ServerConfig = field(default_factory=ServerConfig)
+    # A new session waits this long for a live replica (all starting or restarting) before UNAVAILABLE.
+    open_timeout_s: float = 60.0

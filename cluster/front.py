@@ -1,0 +1,150 @@
+"""The pool's gRPC front: pumps each edge's Session stream, byte for byte, to one replica's verifier.
+
+The front never parses a proposal or a verdict: it relays serialized messages, so it knows nothing of
+the verification rules, and a round costs one extra loopback hop (no Ray call). A replica's status
+reaches the edge unchanged; a replica that goes away mid-stream is UNAVAILABLE, which the edge
+answers by resuming with its committed tokens (a new session, which goes to a live replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.pool import NoReplica, Pool
+from cluster.routing import State
+from draftwire.v1 import draftwire_pb2 as pb
+from verifier_service.servicer import ServerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+_SUMMED = (
+    "active_sessions",
+    "sessions_opened",
+    "rounds",
+    "generated_tokens",
+    "round_positions",
+    "prefill_positions",
+    "engine_batches",
+    "engine_forwards",
+    "engine_seconds",
+)
+
+
+class Front:
+    def __init__(self, pool: Pool, config: ServerConfig):
+        self.pool = pool
+        self.config = config
+        self.server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Serves the Verifier service, health and reflection; returns the bound port.
+
+        Raises RuntimeError when the address cannot be bound.
+        """
+        limit = self.config.max_message_bytes
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self.server = grpc.aio.server(options=options)
+        handlers = {
+            # No (de)serializers: the Session stream and model info pass through as bytes.
+            "Session": grpc.stream_stream_rpc_method_handler(self._session),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self._model_info),
+            "GetStats": grpc.unary_unary_rpc_method_handler(
+                self._stats,
+                request_deserializer=pb.StatsRequest.FromString,
+                response_serializer=pb.ServerStats.SerializeToString,
+            ),
+        }
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((SERVICE, health_name, reflection.SERVICE_NAME), self.server)
+        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self.server.start()
+        self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
+        return port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self.server is not None:
+            await self.server.stop(grace)
+
+    async def _session(self, request_iterator, context):
+        try:
+            slot = await self.pool.acquire()
+        except NoReplica as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")()
+        up = asyncio.get_running_loop().create_task(_pump(request_iterator, call))
+        try:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                yield reply
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.replica_failed(slot)
+            await context.abort(e.code(), e.details() or "")
+        finally:
+            up.cancel()
+            call.cancel()
+            self.pool.release(slot)
+
+    async def _model_info(self, request: bytes, context) -> bytes:
+        try:
+            slot = await self.pool.acquire(session=False)
+        except NoReplica as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        try:
+            return await self.pool.channel(slot).unary_unary(f"/{SERVICE}/GetModelInfo")(request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "")
+
+    async def _stats(self, request: pb.StatsRequest, context) -> pb.ServerStats:
+        """Sums the counters of the replicas that serve now (a restarted replica starts from zero)."""
+        slots = self.pool.table.of(State.LIVE, State.DRAINING)
+        calls = [
+            self.pool.channel(s).unary_unary(
+                f"/{SERVICE}/GetStats",
+                request_serializer=pb.StatsRequest.SerializeToString,
+                response_deserializer=pb.ServerStats.FromString,
+            )(request, timeout=10)
+            for s in slots
+        ]
+        total = pb.ServerStats()
+        for reply in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(reply, BaseException):
+                log.warning("GetStats from a replica failed: %s", reply)
+                continue
+            for name in _SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(reply, name))
+        if total.generated_tokens:
+            total.target_positions_per_token = total.round_positions / total.generated_tokens
+        return total
+
+    async def _follow_health(self) -> None:
+        """SERVING while at least one replica is live."""
+        codes = health_pb2.HealthCheckResponse
+        while True:
+            serving = bool(self.pool.table.of(State.LIVE))
+            for name in ("", SERVICE):
+                await self._health.set(name, codes.SERVING if serving else codes.NOT_SERVING)
+            await self.pool.wait_for(lambda p, was=serving: bool(p.table.of(State.LIVE)) != was, timeout=None)
+
+
+async def _pump(request_iterator, call) -> None:
+    """Edge to replica: each message as it arrives, then the half-close."""
+    try:
+        async for message in request_iterator:
+            await call.write(message)
+        await call.done_writing()
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+        pass  # the replica ended the stream; the reading side reports its status

@@ -1,0 +1,135 @@
+"""`draftwire loadtest`: many concurrent edge sessions with replayed drafts: throughput, latency, errors.
+
+The drafter replays the target's own greedy continuation of each prompt, with a share `corrupt` of the
+draft tokens replaced (edge_client.replay.ReplayDrafter). The continuations are recorded through the
+server under test before the load: a session whose proposals are random still commits exactly the
+target's tokens, so the client needs no model and drafting costs it nothing; one machine drives many
+sessions. Every generation under load must reproduce its recording; a difference counts as a mismatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import statistics
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire.vocab import Vocabulary
+from edge_client.replay import ReplayDrafter
+from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    sessions: int = 16  # concurrent edge sessions, each opening a new generation when one ends
+    duration_s: float = 30.0  # no generation starts after this; those running finish
+    gamma: int = 4  # draft tokens per proposal
+    new_tokens: int = 32  # tokens each generation commits (EOS ignored, so every one is this long)
+    corrupt: float = 0.2  # share of draft tokens replaced: sets the acceptance rate
+    prompts: int = 8  # distinct prompts, recorded once
+    prompt_tokens: int = 16
+
+
+def prompts_for(vocab_size: int, config: LoadConfig) -> list[tuple[int, ...]]:
+    """Deterministic prompts of ordinary ids (clear of the low special ids), different per prompt."""
+    span = vocab_size - 10
+    return [
+        tuple((7 + 31 * p + 17 * i) % span + 5 for i in range(config.prompt_tokens))
+        for p in range(config.prompts)
+    ]
+
+
+async def record(channel: grpc.aio.Channel, config: LoadConfig) -> tuple[Vocabulary, list[tuple]]:
+    """(vocabulary, [(prompt, the target's continuation)]) through the server itself.
+
+    Raises VerifierError or grpc.aio.AioRpcError when the server refuses or cannot be reached.
+    """
+    info = await pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+    vocab = Vocabulary(info.vocab_size, info.tokenizer_fingerprint)
+    prompts = prompts_for(info.vocab_size, config)
+
+    async def one(prompt):
+        drafter = ReplayDrafter(prompt, vocab, corrupt=1.0)  # random proposals: the target's own tokens
+        ids, _ = await EdgeSession(channel, drafter).run(_request(prompt, config))
+        return prompt, tuple(ids)
+
+    return vocab, list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def run_load(channel: grpc.aio.Channel, config: LoadConfig) -> dict:
+    """Records the continuations, then runs `sessions` concurrent loops for `duration_s`; the report."""
+    vocab, scripts = await record(channel, config)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.duration_s
+    rounds: list[float] = []
+    errors: collections.Counter[str] = collections.Counter()
+    totals = collections.Counter()
+
+    async def worker(w: int) -> None:
+        for n in range(1_000_000):
+            if loop.time() >= deadline:
+                return
+            prompt, script = scripts[(w + n) % len(scripts)]
+            drafter = ReplayDrafter(prompt + script, vocab, config.corrupt, seed=w * 100_003 + n)
+            stats, ids = GenerationStats(), []
+            try:
+                async for _ in EdgeSession(channel, drafter).generate(_request(prompt, config), stats, ids):
+                    pass
+                totals["generations"] += 1
+                totals["mismatches"] += tuple(ids) != script
+            except VerifierError as e:
+                errors[e.code.name] += 1
+            except grpc.aio.AioRpcError as e:
+                errors[e.code().name] += 1
+            rounds.extend(stats.round_s)
+            for key in ("rounds", "draft_tokens", "accepted_tokens", "generated_tokens", "resumes"):
+                totals[key] += getattr(stats, key)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(config.sessions)))
+    wall = time.perf_counter() - start
+    ms = sorted(1000 * r for r in rounds)
+    return {
+        "sessions": config.sessions,
+        "duration_s": config.duration_s,
+        "wall_s": wall,
+        "generations": totals["generations"],
+        "rounds": totals["rounds"],
+        "tokens": totals["generated_tokens"],
+        "tokens_per_s": totals["generated_tokens"] / wall,
+        "rounds_per_s": totals["rounds"] / wall,
+        "acceptance_rate": totals["accepted_tokens"] / max(1, totals["draft_tokens"]),
+        "p50_round_ms": statistics.median(ms) if ms else None,
+        "p99_round_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+        "errors": dict(errors),
+        "mismatches": totals["mismatches"],
+        "resumes": totals["resumes"],
+    }
+
+
+def report_text(r: dict) -> str:
+    latency = (
+        f"round latency p50 {r['p50_round_ms']:.2f} ms, p99 {r['p99_round_ms']:.2f} ms"
+        if r["rounds"]
+        else "no rounds"
+    )
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"
+    return "\n".join(
+        [
+            f"{r['sessions']} sessions for {r['duration_s']:g} s (wall {r['wall_s']:.1f} s): "
+            f"{r['generations']} generations, {r['rounds']} rounds, {r['tokens']} tokens",
+            f"throughput {r['tokens_per_s']:.1f} tokens/s, {r['rounds_per_s']:.1f} rounds/s, "
+            f"acceptance {r['acceptance_rate']:.2f}",
+            latency,
+            f"errors: {errors}; mismatches: {r['mismatches']}; resumes: {r['resumes']}",
+        ]
+    )
+
+
+def _request(prompt: tuple[int, ...], config: LoadConfig) -> GenerationRequest:
+    return GenerationRequest(prompt, max_new_tokens=config.new_tokens, gamma=config.gamma, ignore_eos=True)

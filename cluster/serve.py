@@ -1,0 +1,55 @@
+"""`draftwire serve --ray`: join or start Ray, launch the replicas, serve the front until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+from cluster.config import PoolConfig
+from cluster.front import Front
+from cluster.pool import Pool
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    # host:port of a running cluster's GCS, "auto" for the one `ray start` left on this machine, or
+    # "local" to start a private one for this process (no dashboard; Ray's logs under /tmp/ray).
+    address: str = "local"
+
+
+def run(config: PoolConfig, ray_config: RayConfig) -> None:
+    """Blocks until SIGINT or SIGTERM; then stops the front and kills the replicas.
+
+    Raises ConnectionError when no Ray cluster answers at the address, and what a replica's start
+    raises (a bad model directory, say).
+    """
+    import ray
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Replica output stays in Ray's log files (`ray logs`, the dashboard), not on this process's stdout.
+    extra = {"include_dashboard": False} if ray_config.address == "local" else {}
+    ray.init(address=ray_config.address, log_to_driver=False, **extra)
+    try:
+        asyncio.run(_serve(config))
+    finally:
+        ray.shutdown()
+
+
+async def _serve(config: PoolConfig) -> None:
+    pool = Pool(config)
+    front = Front(pool, config.front)
+    try:
+        await pool.start()
+        port = await front.start()
+        target_id = next(iter(pool.info.values())).target_id
+        print(f"draftwire: serving {target_id} on {config.front.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await front.stop(grace=2.0)
+        await pool.close()

@@ -1,0 +1,320 @@
+"""The verifier pool on a real local Ray cluster: exact output through the front, routing, a real kill of a
+replica's process mid-generation, draining, autoscaling.
+
+Ray starts once for the module (token authentication off: a private loopback cluster that dies with
+the module). The front, the pool and the edge sessions share one event loop in a background thread.
+"""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
+from cluster.front import Front
+from cluster.pool import Pool
+from cluster.routing import State
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.replay import ReplayDrafter
+from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from verifier_service.engine import TargetEngine
+from verifier_service.servicer import ServerConfig
+from verifier_service.session import SessionSpec, VerifierLimits, reference_decode
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = [tuple((11 + 29 * p + 13 * i) % 400 + 20 for i in range(12 + p)) for p in range(4)]
+
+
+class LoopThread:
+    """An event loop in a thread: the pool and its front live there for the whole module."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class PacedDrafter:
+    """A drafter that takes `delay_s` per proposal, like a real edge: generations last long enough to be
+    killed or drained in the middle."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s, self.vocabulary = inner, delay_s, inner.vocabulary
+
+    def propose(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        return self.inner.propose(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process and the cluster it starts; see docs/cluster.md
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="module")
+def loop(ray_cluster):
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+def pool_config(test_pair, scaling: ScalingConfig) -> PoolConfig:
+    server = ServerConfig(host="127.0.0.1", port=0, limits=VerifierLimits(max_gamma=8))
+    return PoolConfig(
+        replica=ReplicaConfig(test_pair.target_dir, server, num_cpus=0.5),
+        scaling=scaling,
+        front=ServerConfig(host="127.0.0.1", port=0),
+        open_timeout_s=60,
+    )
+
+
+async def start_pool(config: PoolConfig) -> tuple[Pool, Front, str]:
+    pool = Pool(config)
+    await pool.start()
+    front = Front(pool, config.front)
+    port = await front.start()
+    return pool, front, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def pool(loop, test_pair):
+    """Two replicas, a fixed pool."""
+    config = pool_config(test_pair, ScalingConfig(min_replicas=2, max_replicas=2, interval_s=0.5))
+    pool, front, address = loop.run(start_pool(config), timeout=180)
+    pool.address = address
+    yield pool
+    loop.run(front.stop(0))
+    loop.run(pool.close())
+
+
+@pytest.fixture(scope="module")
+def engine(test_pair):
+    return TargetEngine.load(test_pair.target_dir)
+
+
+def expected(engine, prompt, new_tokens: int) -> list[int]:
+    return reference_decode(engine, SessionSpec(prompt, max_new_tokens=new_tokens, ignore_eos=True))
+
+
+def request(prompt, new_tokens: int, gamma: int = 4) -> GenerationRequest:
+    return GenerationRequest(prompt, max_new_tokens=new_tokens, gamma=gamma, ignore_eos=True)
+
+
+def replay(engine, prompt, new_tokens, delay_s=0.0, seed=0):
+    """A cheap drafter: the target's own continuation with 30% of the draft tokens corrupted."""
+    script = (*prompt, *expected(engine, prompt, new_tokens))
+    drafter = ReplayDrafter(script, engine.info.vocabulary, corrupt=0.3, seed=seed)
+    return PacedDrafter(drafter, delay_s) if delay_s else drafter
+
+
+async def run_once(channel, engine, prompt, new_tokens: int, seed: int = 0):
+    session = EdgeSession(channel, replay(engine, prompt, new_tokens, seed=seed))
+    return await session.run(request(prompt, new_tokens))
+
+
+def generation(channel, engine, prompt, new_tokens: int, seed: int):
+    """A paced generation (gamma 2) started as a task: (task, committed ids as they come, stats)."""
+    committed, stats = [], GenerationStats()
+    session = EdgeSession(channel, replay(engine, prompt, new_tokens, delay_s=0.01, seed=seed), max_resumes=3)
+
+    async def run():
+        async for _ in session.generate(request(prompt, new_tokens, gamma=2), stats, committed):
+            pass
+
+    return asyncio.get_running_loop().create_task(run()), committed, stats
+
+
+async def replica_stats(pool: Pool) -> dict[str, pb.ServerStats]:
+    out = {}
+    for name, info in pool.info.items():
+        async with grpc.aio.insecure_channel(info.address) as channel:
+            out[name] = await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
+    return out
+
+
+def live(n: int):
+    return lambda p: len(p.table.of(State.LIVE)) == n and len(p.table.slots) == n
+
+
+def test_pool_serves_exactly_what_the_target_writes(pool, loop, engine, test_pair):
+    async def scenario():
+        async with grpc.aio.insecure_channel(pool.address) as channel:
+            runs = []
+            for prompt in PROMPTS[:2]:
+                drafter = LlamaDrafter(DrafterConfig(test_pair.draft_q4_0, n_ctx=512))
+                runs.append(await EdgeSession(channel, drafter).run(request(prompt, 24)))
+            stub = pb_grpc.VerifierStub(channel)
+            info = await stub.GetModelInfo(pb.ModelInfoRequest())
+            totals = await stub.GetStats(pb.StatsRequest())
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+            await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            services = {s.name for s in (await reflect.read()).list_services_response.service}
+            reflect.cancel()
+        replica = next(iter(pool.info.values()))
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            direct = await pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+        return runs, info, direct, totals, await replica_stats(pool), health, services
+
+    runs, info, direct, totals, per_replica, health, services = loop.run(scenario())
+    for prompt, (ids, stats) in zip(PROMPTS, runs, strict=False):
+        assert ids == expected(engine, prompt, 24)
+        assert stats.resumes == 0
+    assert info == direct and info.target_id == "target" and info.max_gamma == 8
+    assert totals.rounds == sum(s.rounds for s in per_replica.values()) >= sum(s.rounds for _, s in runs)
+    assert totals.generated_tokens == sum(s.generated_tokens for s in per_replica.values())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert {"draftwire.v1.Verifier", "grpc.health.v1.Health"} <= services
+
+
+def test_sessions_go_to_the_least_loaded_replica_and_stay_there(pool, loop, engine):
+    """Four concurrent sessions: two per replica, each served start to end by one replica."""
+
+    async def scenario():
+        before = await replica_stats(pool)
+        async with grpc.aio.insecure_channel(pool.address) as channel:
+            runs = [
+                EdgeSession(channel, replay(engine, p, 48, delay_s=0.002, seed=i)).run(request(p, 48))
+                for i, p in enumerate(PROMPTS)
+            ]
+            results = await asyncio.gather(*runs)
+        after = await replica_stats(pool)
+        return results, before, after
+
+    results, before, after = loop.run(scenario())
+    for prompt, (ids, stats) in zip(PROMPTS, results, strict=True):
+        assert ids == expected(engine, prompt, 48) and stats.resumes == 0
+    opened = sorted(after[n].sessions_opened - before[n].sessions_opened for n in after)
+    assert opened == [2, 2]
+    rounds = sum(after[n].rounds - before[n].rounds for n in after)
+    assert rounds == sum(stats.rounds for _, stats in results)
+
+
+def test_killed_replica_process_its_sessions_resume_elsewhere_exactly(pool, loop, engine):
+    """SIGKILL of one replica's worker process in the middle of four generations: the two sessions it held
+    break with UNAVAILABLE, the edges re-open with their committed tokens on the other replica, and every
+    output equals the undisturbed one. Ray then restarts the killed replica at a new address."""
+    new_tokens = 160
+    victim = next(iter(pool.info))
+    victim_pid = pool.info[victim].pid
+    victim_address = pool.info[victim].address
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(pool.address) as channel:
+            runs = [generation(channel, engine, p, new_tokens, seed=i) for i, p in enumerate(PROMPTS)]
+            committed = [c for _, c, _ in runs]
+            while min(len(c) for c in committed) < 16:
+                await asyncio.sleep(0.01)
+            assert pool.table.slots[victim].sessions == 2
+            at_kill = [len(c) for c in committed]
+            os.kill(victim_pid, signal.SIGKILL)
+            await asyncio.gather(*(task for task, _, _ in runs))
+            return committed, [s for _, _, s in runs], at_kill
+
+    committed, stats, at_kill = loop.run(scenario())
+    assert all(n < new_tokens for n in at_kill), "the kill landed after a generation had finished"
+    for prompt, ids in zip(PROMPTS, committed, strict=True):
+        assert ids == expected(engine, prompt, new_tokens)
+    assert sum(s.resumes for s in stats) == 2
+    loop.run(pool.wait_for(live(2), timeout=120))
+    assert pool.info[victim].pid != victim_pid and pool.info[victim].address != victim_address
+
+    async def after_restart():
+        async with grpc.aio.insecure_channel(pool.address) as channel:
+            runs = [run_once(channel, engine, p, 24, seed=9) for p in PROMPTS[:2]]
+            return await asyncio.gather(*runs), await replica_stats(pool)
+
+    results, per_replica = loop.run(after_restart())
+    assert [ids for ids, _ in results] == [expected(engine, p, 24) for p in PROMPTS[:2]]
+    assert per_replica[victim].sessions_opened >= 1  # the restarted replica takes sessions again
+
+
+def test_scaling_down_drains_a_replica_without_cutting_its_session(pool, loop, engine):
+    """Resize 2 -> 1 while each replica holds a session: the drained one gets no new session, keeps its own
+    to the end, and only then is its process killed."""
+    new_tokens = 120
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(pool.address) as channel:
+            runs = [generation(channel, engine, p, new_tokens, seed=i) for i, p in enumerate(PROMPTS[:2])]
+            while min(len(committed) for _, committed, _ in runs) < 4:
+                await asyncio.sleep(0.01)
+            assert sorted(s.sessions for s in pool.table.slots.values()) == [1, 1]
+            pool.resize(1)
+            [drained] = pool.table.of(State.DRAINING)
+            pid = pool.info[drained.name].pid
+            extra = await run_once(channel, engine, PROMPTS[2], 16)
+            assert drained.sessions == 1 and os.path.exists(f"/proc/{pid}")
+            await asyncio.gather(*(task for task, _, _ in runs))
+            await pool.wait_for(lambda p: drained.name not in p.table.slots, 30)
+            return [(committed, stats) for _, committed, stats in runs], extra, pid
+
+    results, extra, pid = loop.run(scenario())
+    for prompt, (ids, stats) in zip(PROMPTS, results, strict=False):
+        assert ids == expected(engine, prompt, new_tokens) and stats.resumes == 0
+    assert extra[0] == expected(engine, PROMPTS[2], 16)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}")
+
+    async def back_to_two():
+        pool.resize(2)
+        await pool.wait_for(live(2), timeout=120)
+
+    loop.run(back_to_two(), timeout=150)
+
+
+def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engine):
+    """min 1, max 2, one session per replica: two open sessions bring a second replica up; when they end
+    the pool drains back to one."""
+    scaling = ScalingConfig(
+        min_replicas=1, max_replicas=2, target_sessions_per_replica=1, interval_s=0.2, downscale_delay_s=1.0
+    )
+    pool, front, address = loop.run(start_pool(pool_config(test_pair, scaling)), timeout=180)
+    try:
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.VerifierStub(channel)
+                held = []
+                for prompt in PROMPTS[:2]:  # sessions opened and left waiting: load without work
+                    call = stub.Session()
+                    await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt)))
+                    await call.read()
+                    held.append(call)
+                await pool.wait_for(live(2), timeout=120)
+                ids, _ = await run_once(channel, engine, PROMPTS[3], 16)
+                for call in held:
+                    call.cancel()
+                await pool.wait_for(live(1), timeout=30)
+                return ids
+
+        assert loop.run(scenario(), timeout=180) == expected(engine, PROMPTS[3], 16)
+    finally:
+        loop.run(front.stop(0))
+        loop.run(pool.close())
