@@ -123,7 +123,9 @@ def parser() -> argparse.ArgumentParser:
         "build", help="tokenizer, trained target, distilled draft, GGUF exports, model card"
     )
     b.add_argument("--out", type=Path, default=None, help="default: models/demo in the repository")
-    b.add_argument("--stage", choices=("train", "card"), action="append", help="run only these stages")
+    b.add_argument(
+        "--stage", choices=("target", "draft", "card"), action="append", help="run only these stages"
+    )
     b.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run of the pipeline")
 
     p = sub.add_parser("demo", help="start a verifier on a free loopback port with the demo pair and chat")
@@ -355,9 +357,9 @@ def _bench(args) -> int:
 
 
 def _models(args) -> int:
-    from draftwire.demopair.build import DEFAULT_OUT, build
+    from draftwire.demopair.build import DEFAULT_OUT, STAGES, build
 
-    card = build(args.out or DEFAULT_OUT, tuple(args.stage or ("train", "card")), quick=args.quick)
+    card = build(args.out or DEFAULT_OUT, tuple(args.stage or STAGES), quick=args.quick)
     print(f"draftwire: model pair built; card at {card}")
     return 0
 

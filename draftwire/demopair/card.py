@@ -143,8 +143,9 @@ def markdown(card: dict) -> str:
         f"| training time | {b['target']['training']['seconds'] / 60:.1f} min "
         f"| {b['draft']['training']['seconds'] / 60:.1f} min |",
         "",
-        f"Draft-to-target compute per token: **{b['draft_to_target_compute']:.3f}**. "
-        f"Whole build: {b['build_seconds'] / 60:.1f} min on {b['machine']['cpus']} CPU threads "
+        f"Draft-to-target compute per token: **{b['draft']['to_target_compute']:.3f}**. "
+        f"Whole build: {(b['target']['seconds'] + b['draft']['seconds']) / 60:.1f} min plus the card, "
+        f"on {b['machine']['cpus']} CPU threads "
         f"({b['machine']['processor']}, torch {b['machine']['torch']}).",
         "",
         f"Target held-out loss **{e['target_heldout_loss']:.3f}** nats/token, perplexity "

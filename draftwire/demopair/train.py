@@ -30,6 +30,7 @@ class TrainConfig:
     lr: float = 2e-3  # peak learning rate, after a linear warmup, then cosine to a tenth
     warmup: int = 100  # warmup steps
     chat_share: float = 0.2  # share of windows taken from the chat form
+    generated_share: float = 0.0  # share taken from the target's own greedy continuations
     seed: int = 0
 
 
@@ -40,13 +41,17 @@ class TokenData:
     code: torch.Tensor  # [n] every training file, EOS-separated
     chat: torch.Tensor  # [m] every chat conversation, back to back
     chat_starts: torch.Tensor  # [k] offsets where a conversation starts
+    generated: torch.Tensor | None = None  # [rows, seq_len + 1] prompts continued by the target
 
     def batch(self, config: TrainConfig, generator: torch.Generator) -> torch.Tensor:
         """[batch, seq_len + 1] windows, chat ones starting at a conversation."""
         n = config.seq_len + 1
         rows = []
         for _ in range(config.batch):
-            if torch.rand((), generator=generator) < config.chat_share:
+            draw = float(torch.rand((), generator=generator))
+            if self.generated is not None and draw < config.generated_share:
+                rows.append(self.generated[int(torch.randint(len(self.generated), (), generator=generator))])
+            elif draw < config.generated_share + config.chat_share:
                 starts = self.chat_starts[self.chat_starts < len(self.chat) - n]
                 start = int(starts[torch.randint(len(starts), (), generator=generator)])
                 rows.append(self.chat[start : start + n])
@@ -151,3 +156,28 @@ def distill_draft(
         )
 
     return _train(draft, data, config, loss_fn, log, "draft")
+
+
+def target_continuations(
+    target: LlamaForCausalLM, data: TokenData, rows: int, length: int, prompt: int, seed: int, log=print
+) -> torch.Tensor:
+    """[rows, length] code windows whose last `length - prompt` tokens the target wrote greedily: the
+    contexts a draft meets in greedy speculation, where the prefix is the target's own output."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for first in range(0, rows, 64):
+        n = min(64, rows - first)
+        starts = torch.randint(len(data.code) - prompt, (n,), generator=generator)
+        prompts = torch.stack([data.code[s : s + prompt] for s in starts.tolist()])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            sequences = target.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                max_new_tokens=length - prompt,
+                min_new_tokens=length - prompt,
+                pad_token_id=target.config.pad_token_id,
+            )
+        out.append(sequences[:, :length])
+        log(f"target continuations: {first + n}/{rows}")
+    return torch.cat(out)
