@@ -175,12 +175,16 @@ def test_pool_serves_exactly_what_the_target_writes(pool, loop, engine, test_pai
             await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
             services = {s.name for s in (await reflect.read()).list_services_response.service}
             reflect.cancel()
+            refused = stub.Session()
+            await refused.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=[])))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await refused.read()
         replica = next(iter(pool.info.values()))
         async with grpc.aio.insecure_channel(replica.address) as channel:
             direct = await pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
-        return runs, info, direct, totals, await replica_stats(pool), health, services
+        return runs, info, direct, totals, await replica_stats(pool), health, services, error.value
 
-    runs, info, direct, totals, per_replica, health, services = loop.run(scenario())
+    runs, info, direct, totals, per_replica, health, services, error = loop.run(scenario())
     for prompt, (ids, stats) in zip(PROMPTS, runs, strict=False):
         assert ids == expected(engine, prompt, 24)
         assert stats.resumes == 0
@@ -189,6 +193,8 @@ def test_pool_serves_exactly_what_the_target_writes(pool, loop, engine, test_pai
     assert totals.generated_tokens == sum(s.generated_tokens for s in per_replica.values())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert {"draftwire.v1.Verifier", "grpc.health.v1.Health"} <= services
+    # A replica's refusal reaches the edge unchanged.
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in error.details()
 
 
 def test_sessions_go_to_the_least_loaded_replica_and_stay_there(pool, loop, engine):
@@ -311,6 +317,9 @@ def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engi
                 ids, _ = await run_once(channel, engine, PROMPTS[3], 16)
                 for call in held:
                     call.cancel()
+                # A cancelled edge stream cancels the replica's stream, which frees the session's cache.
+                while (await stub.GetStats(pb.StatsRequest())).active_sessions:
+                    await asyncio.sleep(0.05)
                 await pool.wait_for(live(1), timeout=30)
                 return ids
 
