@@ -110,7 +110,7 @@ class Pool:
         """Launches replicas (or takes back draining ones) up to n, or drains the surplus."""
         active = self.table.of(State.STARTING, State.LIVE, State.DOWN)
         for _ in range(n - len(active)):
-            draining = self.table.of(State.DRAINING)
+            draining = [s for s in self.table.of(State.DRAINING) if s.address]
             if draining:
                 slot = max(draining, key=lambda s: s.sessions)
                 self.table.live(slot.name, slot.address)
@@ -137,6 +137,8 @@ class Pool:
         """Kills every replica and stops the control plane."""
         for task in list(self._tasks):
             task.cancel()
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
         for name in list(self._actors):
             self._retire(name)
 
@@ -172,7 +174,12 @@ class Pool:
             log.warning("replica %s process died; waiting for Ray to restart it", name)
             self.table.down(name)
             self._notify()
-            if not await self._confirm(name):
+            try:
+                if not await self._confirm(name):
+                    return
+            except Exception:  # the new incarnation could not start (the model went away, say)
+                log.exception("replica %s failed to restart; dropping it", name)
+                self._retire(name)
                 return
 
     async def _confirm(self, name: str) -> bool:
@@ -240,7 +247,10 @@ class Pool:
             wanted = self.autoscaler.decide(self.open_sessions, current, loop.time())
             if wanted != current:
                 log.info("scaling %d -> %d replicas (%d open sessions)", current, wanted, self.open_sessions)
-                self.scale_to(wanted)
+                try:
+                    self.scale_to(wanted)
+                except Exception:  # keep looking: the next interval tries again
+                    log.exception("scaling to %d replicas failed", wanted)
 
     def _channel_options(self) -> list[tuple[str, int]]:
         limit = self.config.front.max_message_bytes
