@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,21 +17,6 @@ from llama_cpp import Llama
 
 from draftwire.vocab import Vocabulary, vocabulary_of
 from verifier_service.rules import SamplingParams, choose_tokens
-
-
-class Drafter(Protocol):
-    """What a session needs from a drafter: its vocabulary, and tokens in, draft tokens out."""
-
-    vocabulary: Vocabulary
-    blocking: bool  # True: propose runs off the event loop
-
-    def propose(
-        self,
-        committed: Sequence[int],
-        gamma: int,
-        params: SamplingParams,
-        stop_token_ids: Collection[int] = (),
-    ) -> list[int]: ...
 
 
 @dataclass(frozen=True)

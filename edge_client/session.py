@@ -10,15 +10,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from edge_client.drafter import Drafter
+from draftwire.vocab import Vocabulary
 from verifier_service.rules import SamplingParams
+
+
+class Drafter(Protocol):
+    """What a session needs from a drafter: its vocabulary, and tokens in, draft tokens out."""
+
+    vocabulary: Vocabulary
+    blocking: bool  # True: propose runs off the event loop
+
+    def propose(
+        self,
+        committed: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        stop_token_ids: Collection[int] = (),
+    ) -> list[int]: ...
 
 
 class VerifierError(Exception):
