@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass
 
 from cluster.config import PoolConfig
 from cluster.front import Front
 from cluster.pool import Pool
+from verifier_service.servicer import wait_for_stop_signal
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,7 @@ async def _serve(config: PoolConfig) -> None:
         port = await front.start()
         target_id = next(iter(pool.info.values())).target_id
         print(f"draftwire: serving {target_id} on {config.front.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await front.stop(grace=2.0)
         await pool.close()

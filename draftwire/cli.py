@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import secrets
-import signal
 import sys
 import time
 from pathlib import Path
@@ -184,15 +183,11 @@ def _serve(args) -> int:
 
 
 async def _serve_until_signal(engine, config) -> None:
-    from verifier_service.servicer import start_server
+    from verifier_service.servicer import start_server, wait_for_stop_signal
 
     server, port = await start_server(engine, config)
     print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await server.stop(grace=2.0)
 
 

@@ -6,8 +6,10 @@ wire and a session's KV cache is only touched by that thread.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import signal
 from dataclasses import dataclass
 
 import grpc
@@ -189,3 +191,12 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[grpc
     for name in ("", services[0]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
+
+
+async def wait_for_stop_signal() -> None:
+    """Returns when the process gets SIGINT or SIGTERM: how `serve` knows to stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
