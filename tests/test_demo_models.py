@@ -82,9 +82,7 @@ def test_card_meets_its_targets(card):
     assert e["teacher_forced_agreement"]["q8_0"] >= 0.60
     greedy = e["speculative_gamma4"][DEMO_DRAFT]["greedy"]
     assert greedy["prompts"] >= 50
-    # The issue asks for 0.60; this pair measures 0.578 (see the model card). The bar here is what the
-    # committed pair must keep, so that a rebuild that gets worse is caught.
-    assert greedy["acceptance_rate"] >= 0.55
+    assert greedy["acceptance_rate"] >= 0.60
     assert greedy["tokens_per_round"] > 3.0
 
 

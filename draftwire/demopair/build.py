@@ -8,6 +8,7 @@ of the running interpreter.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,8 +48,8 @@ class BuildConfig:
     target_training: TrainConfig = TrainConfig(steps=900, seed=0)
     # Half the draft's windows are the target's own greedy continuations: the contexts it meets when
     # the target's output is the prefix, as in speculation.
-    draft_training: TrainConfig = TrainConfig(steps=1000, lr=3e-3, generated_share=0.5, seed=1)
-    generated_rows: int = 512  # target continuations for the draft's training
+    draft_training: TrainConfig = TrainConfig(steps=1800, lr=3e-3, generated_share=0.6, seed=1)
+    generated_rows: int = 1536  # target continuations for the draft's training
     generated_prompt: int = 96  # code tokens each continuation starts from
     threads: int = 2  # torch threads while training
 
@@ -122,11 +123,23 @@ def _save(model, tokenizer, out: Path) -> None:
 
 def _machine() -> dict:
     return {
-        "processor": platform.processor() or platform.machine(),
-        "cpus": torch.get_num_threads(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+def _cpu_model() -> str | None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return None
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 def build_target(config: BuildConfig, files: PairFiles, log: BuildLog) -> dict:
