@@ -14,6 +14,9 @@ import grpc
 
 from verifier_service.rules import SamplingParams
 
+PIPELINE = 0
+PIPELINE_HELP = "proposals sent ahead of their verdicts (hides round trips; 0: wait for each verdict)"
+
 
 def _ids(text: str) -> tuple[int, ...]:
     try:
@@ -89,6 +92,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
     _add_prompt(p)
     _add_sampling(p)
 
@@ -113,7 +117,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8))
     p.add_argument("--rtts", type=_ids, default=(10, 30, 80), help="round-trip times in ms")
-    p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the runs behind the delaying proxy")
+    p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the delayed and the pipelined runs")
+    p.add_argument(
+        "--pipelines", type=_ids, default=(0, 2), help="pipeline depths of the delayed runs (0: none)"
+    )
+    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
     p = sub.add_parser("models", help="build the demo model pair from local data")
@@ -138,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -267,7 +276,12 @@ def _generate(args) -> int:
     drafter = _drafter(args.draft)
     prompt = args.prompt_ids if args.prompt_ids is not None else tuple(drafter.tokenize(args.prompt))
     request = GenerationRequest(
-        prompt, _sampling(args), args.max_new_tokens, args.gamma, ignore_eos=args.ignore_eos
+        prompt,
+        _sampling(args),
+        args.max_new_tokens,
+        args.gamma,
+        ignore_eos=args.ignore_eos,
+        pipeline=args.pipeline,
     )
 
     async def run() -> tuple[list[int], GenerationStats]:
@@ -315,7 +329,9 @@ def _reference(args) -> int:
 def _chat_config(args):
     from edge_client.chat import ChatConfig
 
-    return ChatConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, sampling=_sampling(args))
+    return ChatConfig(
+        gamma=args.gamma, max_new_tokens=args.max_new_tokens, sampling=_sampling(args), pipeline=args.pipeline
+    )
 
 
 def _chat(args) -> int:
@@ -345,6 +361,8 @@ def _bench(args) -> int:
         gammas=args.gammas,
         rtts_ms=args.rtts,
         delay_gamma=args.delay_gamma,
+        pipelines=args.pipelines,
+        draft_threads=args.draft_threads,
     )
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
     print(write_outputs(report, args.out))

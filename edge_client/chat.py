@@ -20,6 +20,7 @@ class ChatConfig:
     gamma: int = 4
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
+    pipeline: int = 0  # proposals sent ahead of their verdicts
 
 
 def render_chat(template: str, messages: list[dict[str, str]], bos: str, eos: str) -> str:
@@ -44,7 +45,9 @@ async def reply(
     info = await session.model_info()
     drafter = session.drafter
     prompt = chat_prompt(info, drafter, messages)
-    request = GenerationRequest(tuple(prompt), config.sampling, config.max_new_tokens, config.gamma)
+    request = GenerationRequest(
+        tuple(prompt), config.sampling, config.max_new_tokens, config.gamma, pipeline=config.pipeline
+    )
     stats = GenerationStats()
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     eos_ids = set(info.special_tokens.eos_token_ids)

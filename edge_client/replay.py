@@ -14,6 +14,8 @@ from verifier_service.rules import SamplingParams
 
 
 class ReplayDrafter:
+    executor = None  # cheap: proposes on the event loop
+
     def __init__(self, script: Sequence[int], vocabulary: Vocabulary, corrupt: float = 0.2, seed: int = 0):
         """`script`: prompt plus the target's own continuation, the sequence this drafter replays."""
         self.script = list(script)

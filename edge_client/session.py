@@ -1,16 +1,23 @@
 """The edge side of a generation session: draft locally, send proposals, commit what the verifier says.
 
 The open message and the first proposal leave back to back, so the first round costs one round
-trip; every later round costs one more. Committed tokens are kept here, so a broken stream can be
-resumed elsewhere with them.
+trip. Without pipelining every later round costs one more. With `pipeline = n`, up to n proposals
+leave ahead of their verdicts, each drafted on the assumption that the one before it is accepted
+whole and that the target's bonus token is the draft's own next choice (sent as the assumed token,
+so that the verifier can tell); while the assumptions hold, round trips and drafting overlap the
+verification, and when one fails the verifier answers the proposals built on it as stale, at no
+cost to the target. Committed tokens are kept here, so a broken stream can be resumed elsewhere
+with them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,7 +33,7 @@ class Drafter(Protocol):
     """What a session needs from a drafter: its vocabulary, and tokens in, draft tokens out."""
 
     vocabulary: Vocabulary
-    blocking: bool  # True: propose runs off the event loop
+    executor: Executor | None  # where propose runs; None: on the event loop (it must be cheap)
 
     def propose(
         self,
@@ -54,18 +61,21 @@ class GenerationRequest:
     gamma: int = 4  # draft tokens per proposal
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    pipeline: int = 0  # proposals sent ahead of their verdicts; 0 waits for every verdict
 
 
 @dataclass
 class GenerationStats:
-    rounds: int = 0
+    rounds: int = 0  # verdicts that verified something
+    stale_rounds: int = 0  # pipelined proposals that came back stale
+    sent_ahead: int = 0  # proposals sent before the verdict of the one before them
     draft_tokens: int = 0  # proposed
     accepted_tokens: int = 0  # proposed and accepted
     generated_tokens: int = 0  # committed by verdicts (accepted plus target tokens)
     target_positions: int = 0  # the verifier's figure for this session, prefill included
     wall_s: float = 0.0
     draft_s: float = 0.0  # time spent drafting on the edge
-    round_s: list[float] = field(default_factory=list)  # send to verdict, per round
+    round_s: list[float] = field(default_factory=list)  # send to verdict, per verified round
     resumes: int = 0  # streams re-opened with the committed tokens after UNAVAILABLE
     wire_bytes: int = 0  # serialized protobuf payload sent and received (no HTTP/2 framing)
 
@@ -80,6 +90,8 @@ class GenerationStats:
     def as_json(self) -> dict:
         return {
             "rounds": self.rounds,
+            "stale_rounds": self.stale_rounds,
+            "sent_ahead": self.sent_ahead,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
@@ -142,45 +154,89 @@ class EdgeSession:
         if not request.ignore_eos:
             stops.update(info.special_tokens.eos_token_ids)
         budget = request.max_new_tokens or info.max_context - len(request.prompt_token_ids)
+        plan = _Planner(request, info.max_gamma, budget, stops)
         sequence = [*request.prompt_token_ids, *generated]
+        inflight: collections.deque[_Sent] = collections.deque()
+        rounds = itertools.count(1)
         call = self.stub.Session()
+        verdicts: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(_read_verdicts(call, verdicts))
         try:
             opening = pb.EdgeMessage(open=self._open_message(request, generated))
             stats.wire_bytes += opening.ByteSize()
             await _write(call, opening)
-            for round_no in itertools.count(1):
-                gamma = max(1, min(request.gamma, budget - len(generated) - 1, info.max_gamma))
-                t0 = time.perf_counter()
-                draft = await asyncio.to_thread(
-                    self.drafter.propose, sequence, gamma, request.sampling, stops
-                )
-                t1 = time.perf_counter()
-                proposal = pb.Proposal(round=round_no, start_position=len(sequence), draft_token_ids=draft)
-                message = pb.EdgeMessage(proposal=proposal)
-                await _write(call, message)
-                verdict = await self._next_verdict(call)
-                stats.wire_bytes += message.ByteSize() + verdict.ByteSize()
-                stats.round_s.append(time.perf_counter() - t1)
-                stats.draft_s += t1 - t0
-                new = draft[: verdict.accepted]
-                if verdict.HasField("target_token_id"):
-                    new.append(verdict.target_token_id)
-                sequence += new
-                generated += new
-                stats.rounds += 1
-                stats.draft_tokens += len(draft)
-                stats.accepted_tokens += verdict.accepted
-                stats.generated_tokens += len(new)
-                stats.target_positions = verdict.target_positions
-                if new:
-                    yield new
-                if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            pending: _Sent | None = None  # drafted, to be sent unless a verdict refutes it first
+            finished = False
+            while not finished:
+                while not verdicts.empty() and not finished:
+                    new, finished = self._apply(verdicts.get_nowait(), inflight, sequence, stats)
+                    if new:
+                        generated += new
+                        yield new
+                if finished:
                     break
+                if pending is not None:
+                    if pending.prefix[: len(sequence)] == sequence:
+                        pending.send(next(rounds))
+                        stats.sent_ahead += bool(inflight)
+                        stats.wire_bytes += pending.message.ByteSize()
+                        await _write(call, pending.message)
+                        inflight.append(pending)
+                    pending = None
+                    continue
+                step = plan.next(sequence, inflight)
+                if step is not None:
+                    t0 = time.perf_counter()
+                    tokens = await self._propose(step.base, step.gamma, request.sampling, stops)
+                    stats.draft_s += time.perf_counter() - t0
+                    pending = step.proposal(tokens, stops)
+                    continue
+                if not inflight:
+                    raise VerifierError(grpc.StatusCode.INTERNAL, "no verdict awaited and nothing to propose")
+                new, finished = self._apply(await verdicts.get(), inflight, sequence, stats)
+                if new:
+                    generated += new
+                    yield new
             await call.done_writing()
         except grpc.aio.AioRpcError as e:
             raise VerifierError(e.code(), e.details() or "") from None
         finally:
+            reader.cancel()
             call.cancel()
+
+    @staticmethod
+    def _apply(
+        verdict, inflight: collections.deque[_Sent], sequence: list[int], stats: GenerationStats
+    ) -> tuple[list[int], bool]:
+        """Commits a verdict of the oldest proposal in flight: (new tokens, finished)."""
+        if isinstance(verdict, BaseException):
+            raise verdict
+        sent = inflight.popleft()
+        stats.wire_bytes += verdict.ByteSize()
+        if verdict.round != sent.round:
+            raise VerifierError(grpc.StatusCode.INTERNAL, f"verdict {verdict.round} for {sent.round}")
+        if verdict.stale:
+            stats.stale_rounds += 1
+            return [], False
+        stats.round_s.append(time.perf_counter() - sent.sent_at)
+        new = list(sent.draft[: verdict.accepted])
+        if verdict.HasField("target_token_id"):
+            new.append(verdict.target_token_id)
+        sequence += new
+        stats.rounds += 1
+        stats.draft_tokens += len(sent.draft)
+        stats.accepted_tokens += verdict.accepted
+        stats.generated_tokens += len(new)
+        stats.target_positions = verdict.target_positions
+        return new, verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+    async def _propose(self, sequence: list[int], gamma: int, params: SamplingParams, stops) -> list[int]:
+        executor = self.drafter.executor
+        if executor is None:
+            return self.drafter.propose(sequence, gamma, params, stops)
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, self.drafter.propose, sequence, gamma, params, stops
+        )
 
     async def run(self, request: GenerationRequest) -> tuple[list[int], GenerationStats]:
         """Generates to the end; returns the generated ids and the figures. Raises VerifierError."""
@@ -204,14 +260,96 @@ class EdgeSession:
             generated_token_ids=generated,
         )
 
-    @staticmethod
-    async def _next_verdict(call) -> pb.Verdict:
+
+@dataclass
+class _Sent:
+    """A proposal on the wire, waiting for its verdict."""
+
+    prefix: list[int]  # the sequence it builds on, assumed tokens included; len == start_position
+    assumed: list[int]  # the last tokens of prefix, not yet committed when it was drafted
+    draft: list[int]
+    final: bool  # its verdict may finish the session: nothing is drafted on top of it
+    round: int = 0
+    message: pb.EdgeMessage | None = None
+    sent_at: float = 0.0
+
+    def send(self, round_no: int) -> None:
+        self.round, self.sent_at = round_no, time.perf_counter()
+        self.message = pb.EdgeMessage(
+            proposal=pb.Proposal(
+                round=round_no,
+                start_position=len(self.prefix),
+                draft_token_ids=self.draft,
+                assumed_token_ids=self.assumed,
+            )
+        )
+
+
+@dataclass
+class _Step:
+    """What to draft next: `gamma` tokens after `base`; when `assumes` the first of them is the guess
+    of the bonus token of the proposal before, sent as the assumed token, not as a draft token."""
+
+    base: list[int]
+    gamma: int
+    assumes: bool
+    planner: _Planner
+
+    def proposal(self, tokens: list[int], stops: Collection[int]) -> _Sent | None:
+        """The proposal to send, or None when the guess is a stop token (nothing follows it)."""
+        assumed, draft = (tokens[:1], tokens[1:]) if self.assumes else ([], tokens)
+        if not draft or any(t in stops for t in assumed):
+            self.planner.blocked = len(self.base)
+            return None
+        prefix = [*self.base, *assumed]
+        return _Sent(prefix, assumed, draft, self.planner.final(prefix, draft))
+
+
+@dataclass
+class _Planner:
+    request: GenerationRequest
+    max_gamma: int
+    budget: int  # tokens the session may generate
+    stops: Collection[int]
+    blocked: int = -1  # a base length whose guess was a stop token: wait for verdicts there
+
+    def next(self, sequence: list[int], inflight: collections.deque[_Sent]) -> _Step | None:
+        """The next thing to draft, or None to wait for a verdict. A proposal in flight is live while
+        the committed sequence agrees with what it assumed; the next one builds on the last live one."""
+        live = [s for s in inflight if s.prefix[: len(sequence)] == sequence]
+        if not live:
+            gamma = self._gamma(len(sequence))
+            return _Step(sequence, gamma, False, self) if gamma else None
+        last = live[-1]
+        base = [*last.prefix, *last.draft]
+        if len(live) > self.request.pipeline or last.final or self.blocked == len(base):
+            return None
+        gamma = self._gamma(len(base) + 1)
+        return _Step(base, gamma + 1, True, self) if gamma else None
+
+    def final(self, prefix: list[int], draft: list[int]) -> bool:
+        generated = len(prefix) - len(self.request.prompt_token_ids)
+        return generated + len(draft) + 1 >= self.budget or any(t in self.stops for t in draft)
+
+    def _gamma(self, length: int) -> int:
+        left = self.budget - (length - len(self.request.prompt_token_ids))
+        # The last round may propose more than the budget leaves: the verifier drops the excess.
+        return max(1, min(self.request.gamma, left - 1, self.max_gamma)) if left > 0 else 0
+
+
+async def _read_verdicts(call, verdicts: asyncio.Queue) -> None:
+    """Puts every verdict of the stream on the queue; then an error for an early end or a failure."""
+    try:
         while True:
             message = await call.read()
             if message is grpc.aio.EOF:
                 raise VerifierError(grpc.StatusCode.UNAVAILABLE, "the verifier closed the session early")
             if message.WhichOneof("kind") == "verdict":
-                return message.verdict
+                verdicts.put_nowait(message.verdict)
+    except grpc.aio.AioRpcError as e:
+        verdicts.put_nowait(VerifierError(e.code(), e.details() or ""))
+    except VerifierError as e:
+        verdicts.put_nowait(e)
 
 
 async def _write(call, message: pb.EdgeMessage) -> None:

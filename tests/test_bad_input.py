@@ -42,8 +42,12 @@ def open_msg(info, prompt=PROMPT, max_new=16, fingerprint=None, **sampling) -> p
     )
 
 
-def proposal(round_no, start, draft) -> pb.EdgeMessage:
-    return pb.EdgeMessage(proposal=pb.Proposal(round=round_no, start_position=start, draft_token_ids=draft))
+def proposal(round_no, start, draft, assumed=()) -> pb.EdgeMessage:
+    return pb.EdgeMessage(
+        proposal=pb.Proposal(
+            round=round_no, start_position=start, draft_token_ids=draft, assumed_token_ids=assumed
+        )
+    )
 
 
 async def exchange(address: str, messages: list[pb.EdgeMessage]) -> tuple[list, grpc.aio.AioRpcError | None]:
@@ -103,12 +107,55 @@ CASES = [
         id="draft id",
     ),
     pytest.param(
+        lambda i: [open_msg(i), proposal(1, START, [1], assumed=[80, 99999])],
+        INVALID,
+        "outside the vocabulary",
+        id="assumed id",
+    ),
+    pytest.param(
+        lambda i: [open_msg(i), proposal(1, START, [1], assumed=[80] * 10)],
+        INVALID,
+        "assumed tokens",
+        id="assumed over max",
+    ),
+    pytest.param(
         lambda i: [open_msg(i, max_new=1), proposal(1, START, [1]), proposal(2, START + 1, [1])],
         PRECONDITION,
         "finished",
         id="proposal after finish",
     ),
 ]
+
+
+def test_assumed_tokens_decide_staleness_even_after_a_finish(server, info):
+    """A pipelined proposal is verified only if the committed tokens before it are the ones it assumed;
+    one that a finish made obsolete is answered stale, not refused."""
+    first = [1, 2, 3]
+    replies, error = asyncio.run(
+        exchange(server.address, [open_msg(info, max_new=40), proposal(1, START, first)])
+    )
+    assert error is None
+    v = replies[-1].verdict
+    committed = PROMPT + first[: v.accepted] + [v.target_token_id]
+    end = len(committed)
+    wrong, right = (committed[-1] + 1) % info.vocab_size, committed[-1]
+    messages = [
+        open_msg(info, max_new=40),
+        proposal(1, START, first),
+        proposal(2, end, [7], assumed=[wrong]),  # built on a token that was not committed
+        proposal(3, end, [7], assumed=[committed[-2], right]),  # the committed ones: verified
+    ]
+    replies, error = asyncio.run(exchange(server.address, messages))
+    assert error is None
+    verdicts = [r.verdict for r in replies if r.WhichOneof("kind") == "verdict"]
+    assert [v.stale for v in verdicts] == [False, True, False]
+    assert verdicts[2].committed_length > end
+
+    finishing = [open_msg(info, max_new=1), proposal(1, START, [1]), proposal(2, START + 2, [1])]
+    replies, error = asyncio.run(exchange(server.address, finishing))
+    assert error is None, error
+    verdicts = [r.verdict for r in replies if r.WhichOneof("kind") == "verdict"]
+    assert verdicts[0].finish_reason == pb.FINISH_REASON_LENGTH and verdicts[1].stale
 
 
 @pytest.mark.parametrize("build, code, pattern", CASES)

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -56,6 +57,7 @@ class PacedDrafter:
 
     def __init__(self, inner, delay_s: float):
         self.inner, self.delay_s, self.vocabulary = inner, delay_s, inner.vocabulary
+        self.executor = ThreadPoolExecutor(max_workers=1)  # sleeps off the event loop
 
     def propose(self, *args, **kwargs):
         time.sleep(self.delay_s)

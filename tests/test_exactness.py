@@ -97,6 +97,24 @@ def test_greedy_equals_transformers_generate(server, drafters, prompts, hf_greed
     assert rate > 0.9 if draft == "f16" else 0.1 < rate < 0.9
 
 
+@pytest.mark.parametrize("draft", ["f16", "q4_0"])
+@pytest.mark.parametrize("pipeline", [1, 3])
+def test_pipelined_greedy_equals_transformers_generate(server, drafters, prompts, hf_greedy, draft, pipeline):
+    """Proposals sent ahead of their verdicts change nothing in the output."""
+    requests = [
+        GenerationRequest(tuple(p), max_new_tokens=NEW_TOKENS, gamma=3, pipeline=pipeline) for p in prompts
+    ]
+    results = speculate(server.address, drafters[draft], requests)
+    for prompt, expected, (ids, _) in zip(prompts, hf_greedy, results, strict=True):
+        assert ids == expected, f"prompt {prompt}"
+    ahead = sum(s.sent_ahead for _, s in results)
+    stale = sum(s.stale_rounds for _, s in results)
+    if draft == "f16":  # nearly always right: most proposals leave early and are verified
+        assert ahead > sum(s.rounds for _, s in results) / 2 and stale < ahead / 4
+    else:  # often wrong: the stale path is exercised
+        assert ahead > 0 and stale > 0
+
+
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
 
 
@@ -106,11 +124,18 @@ def test_seeded_sampling_equals_reference_whatever_gamma_and_draft(server, draft
     for seed in seeds:
         params = SamplingParams(seed=seed, **SAMPLING)
         expected = reference_decode(engine, SessionSpec(prompt, params, NEW_TOKENS))
-        for draft, gamma in [("f16", 4), ("f16", 1), ("f16", 8), ("other", 4), ("q4_0", 3)]:
-            [(ids, _)] = speculate(
-                server.address, drafters[draft], [GenerationRequest(prompt, params, NEW_TOKENS, gamma)]
-            )
-            assert ids == expected, f"seed {seed}, draft {draft}, gamma {gamma}"
+        for draft, gamma, pipeline in [
+            ("f16", 4, 0),
+            ("f16", 1, 0),
+            ("f16", 8, 0),
+            ("other", 4, 0),
+            ("q4_0", 3, 0),
+            ("f16", 3, 2),
+            ("q4_0", 2, 1),
+        ]:
+            request = GenerationRequest(prompt, params, NEW_TOKENS, gamma, pipeline=pipeline)
+            [(ids, _)] = speculate(server.address, drafters[draft], [request])
+            assert ids == expected, f"seed {seed}, draft {draft}, gamma {gamma}, pipeline {pipeline}"
 
 
 def test_the_same_draft_agrees_with_the_targets_draws(server, drafters, prompts):
@@ -151,15 +176,17 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
     ids = ",".join(map(str, prompts[10]))
     flags = ["--prompt-ids", ids, "--max-new-tokens", "20", "--ignore-eos"]
     sampled = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--seed", "77"]
-    for extra in ([], sampled):
+    for extra in ([], sampled, [*sampled, "--pipeline", "2"]):
         spec = run_cli(
             "generate", "--server", server.address, "--draft", str(test_pair.draft_q4_0), *flags, *extra
         )
-        ref = run_cli("reference", "--target", str(test_pair.target_dir), *flags, *extra)
+        ref = run_cli("reference", "--target", str(test_pair.target_dir), *flags, *extra[:8])
         assert spec["token_ids"] == ref["token_ids"]
         assert len(spec["token_ids"]) == 20
         assert set(spec["stats"]) == {
             "rounds",
+            "stale_rounds",
+            "sent_ahead",
             "draft_tokens",
             "accepted_tokens",
             "acceptance_rate",

@@ -144,7 +144,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if kind != "proposal":
                     raise InvalidRequest("the session is already open: send proposals")
                 p = message.proposal
-                step = session.begin(Proposal(p.round, p.start_position, tuple(p.draft_token_ids)))
+                step = session.begin(
+                    Proposal(p.round, p.start_position, tuple(p.draft_token_ids), tuple(p.assumed_token_ids))
+                )
                 if isinstance(step, Verdict):  # stale
                     verdict = step
                 else:
@@ -152,7 +154,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     if verdict.finish is not None:
                         self.batcher.release(key)
                 # After a finish the stream stays open until the edge half-closes; a proposal sent
-                # meanwhile is refused (FAILED_PRECONDITION) by the session.
+                # meanwhile is answered stale if the finish made it obsolete, else refused
+                # (FAILED_PRECONDITION) by the session.
                 yield pb.VerifierMessage(verdict=verdict_to_proto(verdict))
         except SessionError as e:
             log.info("session %s refused: %s", key, e)

@@ -45,6 +45,7 @@ class Proposal:
     round: int  # 1, 2, ... within the session
     start_position: int  # committed length the draft started from
     draft_token_ids: tuple[int, ...]  # [gamma]
+    assumed_token_ids: tuple[int, ...] = ()  # committed tokens the edge assumes right before start
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,12 @@ class VerifierSession:
 
     def begin(self, proposal: Proposal) -> Round | Verdict:
         """Checks a proposal and says what the target must compute for it, or answers a stale one at
-        once. Raises InvalidRequest or WrongState, and then changes nothing."""
-        if self.finish is not None:
-            raise WrongState(f"session finished ({self.finish.value}); no proposal is accepted after that")
+        once. Raises InvalidRequest or WrongState, and then changes nothing.
+
+        Stale: start_position is not the committed length, or the assumed tokens are not the
+        committed ones before it. An edge that pipelines sends proposals before the verdicts that
+        commit their base; those a rejection or a finish made obsolete come back stale.
+        """
         if proposal.round != self.last_round + 1:
             raise InvalidRequest(
                 f"proposal round {proposal.round} out of order: expected {self.last_round + 1}"
@@ -171,10 +175,22 @@ class VerifierSession:
             raise InvalidRequest(
                 f"gamma {gamma} outside [{self.limits.min_gamma}, {self.limits.max_gamma}] draft tokens"
             )
+        if len(proposal.assumed_token_ids) > self.limits.max_gamma + 1:
+            raise InvalidRequest(
+                f"{len(proposal.assumed_token_ids)} assumed tokens: at most max_gamma + 1 "
+                f"({self.limits.max_gamma + 1})"
+            )
         self._check_ids(proposal.draft_token_ids, "draft")
-        self.last_round = proposal.round
+        self._check_ids(proposal.assumed_token_ids, "assumed")
         length = len(self.committed)
-        if proposal.start_position != length:
+        assumed = proposal.assumed_token_ids
+        stale = proposal.start_position != length or (
+            assumed and tuple(self.committed[length - len(assumed) :]) != assumed
+        )
+        if not stale and self.finish is not None:
+            raise WrongState(f"session finished ({self.finish.value}); no proposal is accepted after that")
+        self.last_round = proposal.round
+        if stale:
             return self._verdict(proposal, 0, None, stale=True)
         budget = self.max_new_tokens - len(self.generated)
         # Draft tokens past the budget could never be committed: do not spend the target on them.

@@ -4,6 +4,7 @@ Arms, on the same prompts and models: (a) the target alone through our engine, o
 (b) transformers' `generate(assistant_model=...)` with the draft's transformers form, greedy; (c)
 draftwire over loopback gRPC (a `draftwire serve` child process, the llama.cpp draft here) for a
 sweep of gamma, greedy and seeded sampling; (d) the same through a delaying proxy at several RTTs.
+(c) and (d) also run pipelined (proposals sent ahead of their verdicts) at each depth asked for.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ class BenchConfig:
     max_new_tokens: int = 64
     gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
     rtts_ms: tuple[float, ...] = (10, 30, 80)
-    delay_gamma: int = 4  # gamma of the delayed arms
+    delay_gamma: int = 4  # gamma of the delayed and the pipelined arms
+    pipelines: tuple[int, ...] = (0, 2)  # pipeline depths of the delayed arms; 0 is the gamma sweep's
+    # llama.cpp threads of the draft. The edge and the verifier share this machine's cores here, and
+    # OpenMP workers that spin between calls take them from each other; on a device the draft has its own.
+    draft_threads: int = 1
     temperature: float = 0.8  # the sampled mode; greedy always runs
     seed: int = 1234
 
@@ -49,6 +54,7 @@ class Row:
     mode: str  # greedy or sampled
     gamma: int = 0
     rtt_ms: float = 0.0
+    pipeline: int = 0  # proposals sent ahead of their verdicts
     tokens: int = 0
     wall_s: float = 0.0
     acceptance: float | None = None
@@ -61,6 +67,7 @@ class Row:
     draft_ms_per_round: float | None = None
     verify_ms_per_round: float | None = None
     wire_ms_per_round: float | None = None  # send-to-verdict time not spent verifying
+    stale_per_round: float | None = None  # pipelined proposals that came back stale, per verified round
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -131,10 +138,13 @@ async def run_draftwire(
     mode: str,
     gamma: int,
     rtt_ms: float,
+    pipeline: int = 0,
 ) -> Row:
     arm = "d" if rtt_ms else "c"
     label = f"draftwire, {rtt_ms:g} ms RTT" if rtt_ms else "draftwire, loopback"
-    row = Row(arm, label, mode, gamma, rtt_ms)
+    if pipeline:
+        label += f", pipelined {pipeline}"
+    row = Row(arm, label, mode, gamma, rtt_ms, pipeline)
     all_stats: list[GenerationStats] = []
     async with grpc.aio.insecure_channel(upstream) as stats_channel:
         stats_stub = pb_grpc.VerifierStub(stats_channel)
@@ -144,7 +154,12 @@ async def run_draftwire(
             await session.model_info()
             for i, prompt in enumerate(config.prompts):
                 request = GenerationRequest(
-                    prompt, _params(mode, config, i), config.max_new_tokens, gamma, ignore_eos=True
+                    prompt,
+                    _params(mode, config, i),
+                    config.max_new_tokens,
+                    gamma,
+                    ignore_eos=True,
+                    pipeline=pipeline,
                 )
                 ids, stats = await session.run(request)
                 row.outputs.append(ids)
@@ -163,6 +178,7 @@ async def run_draftwire(
     row.draft_ms_per_round = 1000 * sum(s.draft_s for s in all_stats) / rounds
     row.verify_ms_per_round = 1000 * (after.engine_seconds - before.engine_seconds) / rounds
     row.wire_ms_per_round = statistics.fmean(round_ms) - row.verify_ms_per_round
+    row.stale_per_round = sum(s.stale_rounds for s in all_stats) / rounds
     return row
 
 
@@ -177,7 +193,7 @@ async def run_all(config: BenchConfig, log=print) -> dict:
     if config.draft_hf is not None:
         log("(b) transformers assisted generation, greedy")
         rows.append(run_assisted(config))
-    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf))
+    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
     with ServerProcess(config.target_dir, "--max-gamma", str(max(config.gammas))) as server:
         host, port = server.address.rsplit(":", 1)
         for mode in modes:
@@ -186,18 +202,28 @@ async def run_all(config: BenchConfig, log=print) -> dict:
                 rows.append(
                     await run_draftwire(config, drafter, server.address, server.address, mode, gamma, 0)
                 )
-            for rtt in config.rtts_ms:
-                log(f"(d) draftwire at {rtt:g} ms RTT, {mode}, gamma {config.delay_gamma}")
-                async with DelayProxy(DelayConfig(host, int(port), rtt / 1000)) as proxy:
-                    rows.append(
-                        await run_draftwire(
-                            config, drafter, proxy.address, server.address, mode, config.delay_gamma, rtt
-                        )
+            gamma = config.delay_gamma
+            for depth in (d for d in config.pipelines if d):
+                log(f"(c) draftwire loopback, {mode}, gamma {gamma}, pipelined {depth}")
+                rows.append(
+                    await run_draftwire(
+                        config, drafter, server.address, server.address, mode, gamma, 0, depth
                     )
+                )
+            for rtt in config.rtts_ms:
+                async with DelayProxy(DelayConfig(host, int(port), rtt / 1000)) as proxy:
+                    for depth in config.pipelines:
+                        log(f"(d) draftwire at {rtt:g} ms RTT, {mode}, gamma {gamma}, pipelined {depth}")
+                        rows.append(
+                            await run_draftwire(
+                                config, drafter, proxy.address, server.address, mode, gamma, rtt, depth
+                            )
+                        )
     for row in rows:
         row.speedup = row.tokens_per_s / reference[row.mode].tokens_per_s
     exact = {
-        f"{r.arm}/{r.mode}/g{r.gamma}/rtt{r.rtt_ms:g}": r.outputs == reference[r.mode].outputs for r in rows
+        f"{r.arm}/{r.mode}/g{r.gamma}/rtt{r.rtt_ms:g}/p{r.pipeline}": r.outputs == reference[r.mode].outputs
+        for r in rows
     }
     return {
         "config": {
@@ -214,10 +240,10 @@ async def run_all(config: BenchConfig, log=print) -> dict:
 
 def markdown(report: dict) -> str:
     head = (
-        "| arm | mode | γ | RTT ms | tok/s | × (a) | accept | tok/round | theory | target pos/tok | B/tok "
-        "| round p50 ms | p99 ms | draft ms | verify ms | wire ms |"
+        "| arm | mode | γ | RTT ms | pipe | tok/s | × (a) | accept | tok/round | theory | target pos/tok "
+        "| B/tok | round p50 ms | p99 ms | draft ms | verify ms | wire ms | stale/round |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 18]
 
     def f(v, fmt=".2f"):
         return "" if v is None else format(v, fmt)
@@ -228,6 +254,7 @@ def markdown(report: dict) -> str:
             r["mode"],
             str(r["gamma"] or ""),
             f(r["rtt_ms"] or None, "g"),
+            str(r["pipeline"] or ""),
             f"{r['tokens_per_s']:.1f}",
             f(r["speedup"]),
             f(r["acceptance"]),
@@ -237,6 +264,7 @@ def markdown(report: dict) -> str:
             f(r["bytes_per_token"], ".0f"),
             *(f(r[k], ".1f") for k in ("round_ms_p50", "round_ms_p99", "draft_ms_per_round")),
             *(f(r[k], ".1f") for k in ("verify_ms_per_round", "wire_ms_per_round")),
+            f(r["stale_per_round"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     bad = [k for k, ok in report["exact"].items() if not ok]
@@ -261,12 +289,23 @@ def plot(report: dict, path: Path) -> None:
             style,
             label=f"draftwire loopback, {mode}",
         )
-        delayed = [
-            r
-            for r in rows
-            if r["arm"] in "cd" and r["mode"] == mode and r["gamma"] == report["config"]["delay_gamma"]
-        ]
-        right.plot([r["rtt_ms"] for r in delayed], [r["speedup"] for r in delayed], style, label=mode)
+        for depth in report["config"]["pipelines"]:
+            delayed = [
+                r
+                for r in rows
+                if r["arm"] in "cd"
+                and r["mode"] == mode
+                and r["gamma"] == report["config"]["delay_gamma"]
+                and r["pipeline"] == depth
+            ]
+            label = f"{mode}, pipelined {depth}" if depth else mode
+            right.plot(
+                [r["rtt_ms"] for r in delayed],
+                [r["speedup"] for r in delayed],
+                style,
+                label=label,
+                alpha=1 - 0.3 * bool(depth),
+            )
     for r in rows:
         if r["arm"] == "b":
             left.axhline(r["speedup"], color="grey", linestyle=":", label="transformers assisted (greedy)")

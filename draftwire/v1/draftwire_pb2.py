@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64raftwire/v1/draftwire.proto\x12\x0c\x64raftwire.v1\"\x12\n\x10ModelInfoRequest\"\xe0\x01\n\tModelInfo\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_gamma\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x33\n\x0especial_tokens\x18\x06 \x01(\x0b\x32\x1b.draftwire.v1.SpecialTokens\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\r\"~\n\rSpecialTokens\x12\x19\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"T\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xd3\x01\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.draftwire.v1.SamplingParams\x12*\n\x04stop\x18\x03 \x01(\x0b\x32\x1c.draftwire.v1.StopConditions\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\"J\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\"l\n\x0b\x45\x64geMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.draftwire.v1.OpenSessionH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.draftwire.v1.ProposalH\x00\x42\x06\n\x04kind\"=\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\"\xea\x01\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1c\n\x0ftarget_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.draftwire.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x18\n\x10\x63ommitted_length\x18\x07 \x01(\x04\x12\x18\n\x10target_positions\x18\x08 \x01(\x04\x42\x12\n\x10_target_token_id\"r\n\x0fVerifierMessage\x12-\n\x06opened\x18\x01 \x01(\x0b\x32\x1b.draftwire.v1.SessionOpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.draftwire.v1.VerdictH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\x8a\x02\n\x0bServerStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fround_positions\x18\x05 \x01(\x04\x12\x19\n\x11prefill_positions\x18\x06 \x01(\x04\x12\"\n\x1atarget_positions_per_token\x18\x07 \x01(\x01\x12\x16\n\x0e\x65ngine_batches\x18\x08 \x01(\x04\x12\x17\n\x0f\x65ngine_forwards\x18\t \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\n \x01(\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdf\x01\n\x08Verifier\x12G\n\x0cGetModelInfo\x12\x1e.draftwire.v1.ModelInfoRequest\x1a\x17.draftwire.v1.ModelInfo\x12G\n\x07Session\x12\x19.draftwire.v1.EdgeMessage\x1a\x1d.draftwire.v1.VerifierMessage(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x1a.draftwire.v1.StatsRequest\x1a\x19.draftwire.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64raftwire/v1/draftwire.proto\x12\x0c\x64raftwire.v1\"\x12\n\x10ModelInfoRequest\"\xe0\x01\n\tModelInfo\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_gamma\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x33\n\x0especial_tokens\x18\x06 \x01(\x0b\x32\x1b.draftwire.v1.SpecialTokens\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\r\"~\n\rSpecialTokens\x12\x19\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"T\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xd3\x01\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.draftwire.v1.SamplingParams\x12*\n\x04stop\x18\x03 \x01(\x0b\x32\x1c.draftwire.v1.StopConditions\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\"e\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\r\"l\n\x0b\x45\x64geMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.draftwire.v1.OpenSessionH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.draftwire.v1.ProposalH\x00\x42\x06\n\x04kind\"=\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\"\xea\x01\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1c\n\x0ftarget_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.draftwire.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x18\n\x10\x63ommitted_length\x18\x07 \x01(\x04\x12\x18\n\x10target_positions\x18\x08 \x01(\x04\x42\x12\n\x10_target_token_id\"r\n\x0fVerifierMessage\x12-\n\x06opened\x18\x01 \x01(\x0b\x32\x1b.draftwire.v1.SessionOpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.draftwire.v1.VerdictH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\x8a\x02\n\x0bServerStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fround_positions\x18\x05 \x01(\x04\x12\x19\n\x11prefill_positions\x18\x06 \x01(\x04\x12\"\n\x1atarget_positions_per_token\x18\x07 \x01(\x01\x12\x16\n\x0e\x65ngine_batches\x18\x08 \x01(\x04\x12\x17\n\x0f\x65ngine_forwards\x18\t \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\n \x01(\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdf\x01\n\x08Verifier\x12G\n\x0cGetModelInfo\x12\x1e.draftwire.v1.ModelInfoRequest\x1a\x17.draftwire.v1.ModelInfo\x12G\n\x07Session\x12\x19.draftwire.v1.EdgeMessage\x1a\x1d.draftwire.v1.VerifierMessage(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x1a.draftwire.v1.StatsRequest\x1a\x19.draftwire.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'draftwire.v1.draftwire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1706
-  _globals['_FINISHREASON']._serialized_end=1801
+  _globals['_FINISHREASON']._serialized_start=1733
+  _globals['_FINISHREASON']._serialized_end=1828
   _globals['_MODELINFOREQUEST']._serialized_start=46
   _globals['_MODELINFOREQUEST']._serialized_end=64
   _globals['_MODELINFO']._serialized_start=67
@@ -46,19 +46,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSION']._serialized_start=606
   _globals['_OPENSESSION']._serialized_end=817
   _globals['_PROPOSAL']._serialized_start=819
-  _globals['_PROPOSAL']._serialized_end=893
-  _globals['_EDGEMESSAGE']._serialized_start=895
-  _globals['_EDGEMESSAGE']._serialized_end=1003
-  _globals['_SESSIONOPENED']._serialized_start=1005
-  _globals['_SESSIONOPENED']._serialized_end=1066
-  _globals['_VERDICT']._serialized_start=1069
-  _globals['_VERDICT']._serialized_end=1303
-  _globals['_VERIFIERMESSAGE']._serialized_start=1305
-  _globals['_VERIFIERMESSAGE']._serialized_end=1419
-  _globals['_STATSREQUEST']._serialized_start=1421
-  _globals['_STATSREQUEST']._serialized_end=1435
-  _globals['_SERVERSTATS']._serialized_start=1438
-  _globals['_SERVERSTATS']._serialized_end=1704
-  _globals['_VERIFIER']._serialized_start=1804
-  _globals['_VERIFIER']._serialized_end=2027
+  _globals['_PROPOSAL']._serialized_end=920
+  _globals['_EDGEMESSAGE']._serialized_start=922
+  _globals['_EDGEMESSAGE']._serialized_end=1030
+  _globals['_SESSIONOPENED']._serialized_start=1032
+  _globals['_SESSIONOPENED']._serialized_end=1093
+  _globals['_VERDICT']._serialized_start=1096
+  _globals['_VERDICT']._serialized_end=1330
+  _globals['_VERIFIERMESSAGE']._serialized_start=1332
+  _globals['_VERIFIERMESSAGE']._serialized_end=1446
+  _globals['_STATSREQUEST']._serialized_start=1448
+  _globals['_STATSREQUEST']._serialized_end=1462
+  _globals['_SERVERSTATS']._serialized_start=1465
+  _globals['_SERVERSTATS']._serialized_end=1731
+  _globals['_VERIFIER']._serialized_start=1831
+  _globals['_VERIFIER']._serialized_end=2054
 # @@protoc_insertion_point(module_scope)

@@ -89,14 +89,16 @@ class OpenSession(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("round", "start_position", "draft_token_ids")
+    __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EdgeMessage(_message.Message):
     __slots__ = ("open", "proposal")
