@@ -2,7 +2,9 @@
 
 A session's cache holds every committed position but the last committed token; a forward first cuts
 the cache back to the positions the caller keeps, then runs the new tokens on top of it, so a round
-costs gamma + 1 positions and never recomputes the prefix.
+costs gamma + 1 positions and never recomputes the prefix. Cache layers append in place into spare
+capacity (transformers' DynamicLayer concatenates, copying the whole cache every round), and a batch
+of sessions copies each session's cache once into the batch and only the new positions back.
 """
 
 from __future__ import annotations
@@ -35,6 +37,73 @@ class Forward:
     keep: int  # cached positions to keep; the rest is cut first
     token_ids: tuple[int, ...]  # new positions to run
     logits: bool = True  # False skips the logits (prefill)
+
+
+class GrowingLayer(DynamicLayer):
+    """A cache layer that appends in place into spare capacity, doubling it when full.
+
+    `keys` and `values` are views of the first `length` positions. # [batch, kv_heads, length, head_dim]
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._keys: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        self._values: torch.Tensor | None = None
+        self._length = 0
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
+        """A layer over preallocated buffers whose first `length` positions are filled."""
+        layer = cls()
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        layer._keys, layer._values = keys, values
+        layer._set_length(length)
+        return layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._length + key_states.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2]:
+            self._grow(key_states, end)
+        self._keys[..., self._length : end, :] = key_states
+        self._values[..., self._length : end, :] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Removes the last -tokens_to_remove positions (a negative count, as DynamicLayer takes)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of positions to remove")
+        if self.is_initialized:
+            self._set_length(max(0, self._length + tokens_to_remove))
+
+    def _grow(self, like: torch.Tensor, needed: int) -> None:
+        old = 0 if self._keys is None else self._keys.shape[-2]
+        shape = (*like.shape[:-2], max(needed, 2 * old, 64), like.shape[-1])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self._keys is not None:
+            keys[..., : self._length, :] = self._keys[..., : self._length, :]
+            values[..., : self._length, :] = self._values[..., : self._length, :]
+        self._keys, self._values = keys, values
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        self.keys = self._keys[..., :length, :]
+        self.values = self._values[..., :length, :]
+
+
+def new_cache(config) -> DynamicCache:
+    """A DynamicCache whose plain layers grow in place; special layers (sliding windows) stay as they are."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 @dataclass
@@ -78,6 +147,7 @@ class TargetEngine:
         """
         return self.forward_many([Forward(key, keep, tuple(token_ids), logits)])[0]
 
+    @torch.inference_mode()
     def forward_many(self, forwards: Sequence[Forward]) -> list[torch.Tensor | None]:
         """Runs the forwards of different sessions as one batch: ragged lengths, per-row positions,
         each session's own cache. Returns each one's logits as `forward` does.
@@ -101,7 +171,9 @@ class TargetEngine:
         return [by_key.get(f.key, empty) if f.logits else None for f in forwards]
 
     def _cut(self, key: str, keep: int) -> _Cache:
-        cache = self._caches.setdefault(key, _Cache(DynamicCache(config=self.model.config)))
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = self._caches[key] = _Cache(new_cache(self.model.config))
         if keep > cache.length:
             raise ValueError(f"session {key} holds {cache.length} positions, cannot keep {keep}")
         if keep < cache.length:
@@ -111,10 +183,9 @@ class TargetEngine:
 
     def _run_one(self, f: Forward, cache: _Cache) -> torch.Tensor | None:
         ids = torch.tensor([f.token_ids], device=self.device)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=0 if f.logits else 1
-            )
+        out = self.model(
+            input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=0 if f.logits else 1
+        )
         cache.length += len(f.token_ids)
         return out.logits[0, :, : self.info.vocabulary.size].float().cpu() if f.logits else None
 
@@ -131,27 +202,36 @@ class TargetEngine:
             ids[r, : len(f.token_ids)] = torch.tensor(f.token_ids)
             mask[r, past - c.length : past + len(f.token_ids)] = 1
             positions[r] = c.length + torch.arange(width)
+        # One copy of each session's cache into the batch's buffers, which leave room for the new
+        # positions; the model writes those in place, and only they are copied back.
         batch_kv = DynamicCache(config=self.model.config)
-        if past:
-            for layer in range(len(live[0][1].kv.layers)):
-                keys = [_left_pad(c.kv.layers[layer].keys, past) for _, c in live]
-                values = [_left_pad(c.kv.layers[layer].values, past) for _, c in live]
-                batch_kv.update(torch.cat(keys), torch.cat(values), layer)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                past_key_values=batch_kv,
-                use_cache=True,
-            )
+        layers = []
+        for layer in range(len(live[0][1].kv.layers)):
+            first = live[0][1].kv.layers[layer].keys
+            shape = (rows, first.shape[1], past + width, first.shape[3])
+            keys, values = first.new_empty(shape), first.new_empty(shape)
+            for r, (_, c) in enumerate(live):
+                pad = past - c.length
+                keys[r, :, :pad].zero_()
+                values[r, :, :pad].zero_()
+                keys[r, :, pad:past] = c.kv.layers[layer].keys[0]
+                values[r, :, pad:past] = c.kv.layers[layer].values[0]
+            layers.append(GrowingLayer.holding(keys, values, past))
+        batch_kv.layers = layers
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=batch_kv,
+            use_cache=True,
+        )
         results = []
         for r, (f, c) in enumerate(live):
             n = len(f.token_ids)
             for layer, batch_layer in enumerate(batch_kv.layers):
                 new_keys = batch_layer.keys[r : r + 1, :, past : past + n]
                 new_values = batch_layer.values[r : r + 1, :, past : past + n]
-                c.kv.update(new_keys.clone(), new_values.clone(), layer)
+                c.kv.layers[layer].update(new_keys, new_values)
             c.length += n
             results.append(out.logits[r, :n, : self.info.vocabulary.size].float().cpu() if f.logits else None)
         return results
@@ -163,12 +243,7 @@ class TargetEngine:
 
 def _batchable(kv: DynamicCache) -> bool:
     # Sliding-window or otherwise special layers keep their own bookkeeping: run those one at a time.
-    return all(type(layer) is DynamicLayer and layer.is_initialized for layer in kv.layers)
-
-
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
-    """[1, heads, n, dim] -> [1, heads, length, dim], zeros first."""
-    return torch.nn.functional.pad(t, (0, 0, length - t.shape[2], 0))
+    return all(type(layer) is GrowingLayer and layer.is_initialized for layer in kv.layers)
 
 
 def target_info(target_id: str, tokenizer, config) -> TargetInfo:

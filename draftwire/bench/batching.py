@@ -41,6 +41,7 @@ class ArmResult:
     wall_s: float
     mean_batch: float
     p50_round_ms: float
+    engine_busy: float  # share of the wall time the replica's engine was computing
     exact: bool
 
     @property
@@ -82,6 +83,7 @@ async def run_arm(target: Path, vocabulary, arm: Arm, scripts, args) -> ArmResul
         wall_s=wall,
         mean_batch=forwards / batches if batches else 0.0,
         p50_round_ms=1000 * statistics.median(rounds),
+        engine_busy=(after.engine_seconds - before.engine_seconds) / wall,
         exact=all(ids == script for (ids, _), (_, script) in zip(results, scripts, strict=True)),
     )
 
@@ -109,6 +111,7 @@ async def main_async(args) -> dict:
                 "wall_s": r.wall_s,
                 "mean_batch": r.mean_batch,
                 "p50_round_ms": r.p50_round_ms,
+                "engine_busy": r.engine_busy,
                 "exact": r.exact,
             }
             for r in results
@@ -123,11 +126,17 @@ def markdown(report: dict) -> str:
         f"{report['sessions']} concurrent sessions, gamma {report['gamma']}, "
         f"{report['new_tokens']} new tokens each, target {report['target']}",
         "",
-        "| arm | committed tokens/s | mean batch | p50 round (ms) | exact |",
-        "|---|---|---|---|---|",
+        "| arm | committed tokens/s | mean batch | p50 round (ms) | engine busy | exact |",
+        "|---|---|---|---|---|---|",
     ]
     for a in report["arms"]:
-        cells = [a["name"], f"{a['tokens_per_s']:.0f}", f"{a['mean_batch']:.1f}", f"{a['p50_round_ms']:.1f}"]
+        cells = [
+            a["name"],
+            f"{a['tokens_per_s']:.0f}",
+            f"{a['mean_batch']:.1f}",
+            f"{a['p50_round_ms']:.1f}",
+            f"{a['engine_busy']:.0%}",
+        ]
         lines.append("| " + " | ".join([*cells, str(a["exact"])]) + " |")
     lines.append(f"\nbatched / one at a time: **{report['speedup']:.2f}x**")
     return "\n".join(lines)
