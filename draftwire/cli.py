@@ -64,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
     )
+    p.add_argument("--threads", type=int, default=0, help="torch threads of the engine (0: torch's choice)")
     ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
     ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
     ray_group.add_argument(
@@ -122,6 +123,7 @@ def parser() -> argparse.ArgumentParser:
         "--pipelines", type=_ids, default=(0, 2), help="pipeline depths of the delayed runs (0: none)"
     )
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
+    p.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
     p = sub.add_parser("models", help="build the demo model pair from local data")
@@ -186,6 +188,10 @@ def _serve(args) -> int:
     )
     if args.ray:
         return _serve_pool(args, config)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = TargetEngine.load(args.target)
     asyncio.run(_serve_until_signal(engine, config))
     return 0
@@ -363,6 +369,7 @@ def _bench(args) -> int:
         delay_gamma=args.delay_gamma,
         pipelines=args.pipelines,
         draft_threads=args.draft_threads,
+        verifier_threads=args.verifier_threads,
     )
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
     print(write_outputs(report, args.out))

@@ -121,6 +121,9 @@ class TargetEngine:
         self.info = info
         self.device = device
         self._caches: dict[str, _Cache] = {}
+        # Per layer, the keys and values buffers batches are assembled in, reused from batch to batch:
+        # fresh large buffers each batch cost more in page faults than the copies into them.
+        self._workspace: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def load(cls, model_dir: Path, device: str | None = None) -> TargetEngine:
@@ -207,15 +210,11 @@ class TargetEngine:
         batch_kv = DynamicCache(config=self.model.config)
         layers = []
         for layer in range(len(live[0][1].kv.layers)):
-            first = live[0][1].kv.layers[layer].keys
-            shape = (rows, first.shape[1], past + width, first.shape[3])
-            keys, values = first.new_empty(shape), first.new_empty(shape)
+            keys, values = self._batch_buffers(layer, live[0][1].kv.layers[layer].keys, rows, past + width)
             for r, (_, c) in enumerate(live):
-                pad = past - c.length
-                keys[r, :, :pad].zero_()
-                values[r, :, :pad].zero_()
-                keys[r, :, pad:past] = c.kv.layers[layer].keys[0]
-                values[r, :, pad:past] = c.kv.layers[layer].values[0]
+                session_layer = c.kv.layers[layer]
+                keys[r, :, past - c.length : past] = session_layer.keys[0]
+                values[r, :, past - c.length : past] = session_layer.values[0]
             layers.append(GrowingLayer.holding(keys, values, past))
         batch_kv.layers = layers
         out = self.model(
@@ -235,6 +234,22 @@ class TargetEngine:
             c.length += n
             results.append(out.logits[r, :n, : self.info.vocabulary.size].float().cpu() if f.logits else None)
         return results
+
+    def _batch_buffers(
+        self, layer: int, like: torch.Tensor, rows: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [rows, kv_heads, length, head_dim] of the layer's workspace, grown when too small. The
+        workspace starts zeroed and only ever holds keys and values, so padding the attention mask hides
+        is finite (a NaN there would leak through the zero attention weight)."""
+        while len(self._workspace) <= layer:
+            self._workspace.append((like.new_zeros(0, 0, 0, 0), like.new_zeros(0, 0, 0, 0)))
+        keys, values = self._workspace[layer]
+        if keys.shape[0] < rows or keys.shape[2] < length:
+            grown = max(length, min(2 * keys.shape[2], self.info.max_context))
+            shape = (max(rows, keys.shape[0]), like.shape[1], grown, like.shape[3])
+            keys, values = like.new_zeros(shape), like.new_zeros(shape)
+            self._workspace[layer] = (keys, values)
+        return keys[:rows, :, :length], values[:rows, :, :length]
 
     def release(self, key: str) -> None:
         """Frees session `key`'s cache; unknown keys are ignored."""

@@ -43,6 +43,7 @@ class BenchConfig:
     # llama.cpp threads of the draft. The edge and the verifier share this machine's cores here, and
     # OpenMP workers that spin between calls take them from each other; on a device the draft has its own.
     draft_threads: int = 1
+    verifier_threads: int = 0  # torch threads of the verifier process; 0: torch's choice
     temperature: float = 0.8  # the sampled mode; greedy always runs
     seed: int = 1234
 
@@ -194,7 +195,8 @@ async def run_all(config: BenchConfig, log=print) -> dict:
         log("(b) transformers assisted generation, greedy")
         rows.append(run_assisted(config))
     drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
-    with ServerProcess(config.target_dir, "--max-gamma", str(max(config.gammas))) as server:
+    flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(config.verifier_threads)]
+    with ServerProcess(config.target_dir, *flags) as server:
         host, port = server.address.rsplit(":", 1)
         for mode in modes:
             for gamma in config.gammas:
