@@ -29,6 +29,7 @@ class LoadConfig:
     sessions: int = 16  # concurrent edge sessions, each opening a new generation when one ends
     duration_s: float = 30.0  # no generation starts after this; those running finish
     gamma: int = 4  # draft tokens per proposal
+    pipeline: int = 0  # proposals each session sends ahead of their verdicts
     new_tokens: int = 32  # tokens each generation commits (EOS ignored, so every one is this long)
     corrupt: float = 0.2  # share of draft tokens replaced: sets the acceptance rate
     prompts: int = 8  # distinct prompts, recorded once
@@ -132,4 +133,10 @@ def report_text(r: dict) -> str:
 
 
 def _request(prompt: tuple[int, ...], config: LoadConfig) -> GenerationRequest:
-    return GenerationRequest(prompt, max_new_tokens=config.new_tokens, gamma=config.gamma, ignore_eos=True)
+    return GenerationRequest(
+        prompt,
+        max_new_tokens=config.new_tokens,
+        gamma=config.gamma,
+        ignore_eos=True,
+        pipeline=config.pipeline,
+    )

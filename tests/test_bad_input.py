@@ -266,7 +266,10 @@ def test_committed_tokens_survive_a_refused_proposal_and_resume(server, info, dr
             assert error.value.code() == INVALID
             before_resume = list(committed)
             session = EdgeSession(channel, drafter)
-            request = GenerationRequest(tuple(PROMPT), max_new_tokens=40, gamma=3, ignore_eos=True)
+            # The resumed stream pipelines: its first proposals build on the resumed committed tokens.
+            request = GenerationRequest(
+                tuple(PROMPT), max_new_tokens=40, gamma=3, ignore_eos=True, pipeline=2
+            )
             async for _ in session.generate(request, committed=committed):
                 pass
             return before_resume, committed
