@@ -160,11 +160,12 @@ class EdgeSession:
         rounds = itertools.count(1)
         call = self.stub.Session()
         verdicts: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(_read_verdicts(call, verdicts))
+        opened = asyncio.Event()
+        reader = asyncio.create_task(_read_verdicts(call, verdicts, opened))
         try:
             opening = pb.EdgeMessage(open=self._open_message(request, generated))
             stats.wire_bytes += opening.ByteSize()
-            await _write(call, opening)
+            await _write(call, opening, reader, verdicts)
             pending: _Sent | None = None  # drafted, to be sent unless a verdict refutes it first
             finished = False
             while not finished:
@@ -180,7 +181,7 @@ class EdgeSession:
                         pending.send(next(rounds))
                         stats.sent_ahead += bool(inflight)
                         stats.wire_bytes += pending.message.ByteSize()
-                        await _write(call, pending.message)
+                        await _write(call, pending.message, reader, verdicts)
                         inflight.append(pending)
                     pending = None
                     continue
@@ -200,8 +201,27 @@ class EdgeSession:
             await call.done_writing()
         except grpc.aio.AioRpcError as e:
             raise VerifierError(e.code(), e.details() or "") from None
+        except VerifierError as e:
+            if e.code == grpc.StatusCode.INTERNAL and not opened.is_set():
+                await self._raise_open_refusal(request, generated)
+            raise
         finally:
             reader.cancel()
+            call.cancel()
+
+    async def _raise_open_refusal(self, request: GenerationRequest, generated: list[int]) -> None:
+        """Raises the verifier's status for this open, if it refuses it.
+
+        The first proposal leaves right behind the open message, without waiting. When the verifier
+        refuses the open, that write can race the refusal, and the gRPC core then reports a bare
+        INTERNAL for the whole call. A stream with the open message alone gets the real status."""
+        call = self.stub.Session()
+        try:
+            await call.write(pb.EdgeMessage(open=self._open_message(request, generated)))
+            await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise VerifierError(e.code(), e.details() or "") from None
+        finally:
             call.cancel()
 
     @staticmethod
@@ -337,7 +357,7 @@ class _Planner:
         return max(1, min(self.request.gamma, left - 1, self.max_gamma)) if left > 0 else 0
 
 
-async def _read_verdicts(call, verdicts: asyncio.Queue) -> None:
+async def _read_verdicts(call, verdicts: asyncio.Queue, opened: asyncio.Event) -> None:
     """Puts every verdict of the stream on the queue; then an error for an early end or a failure."""
     try:
         while True:
@@ -346,15 +366,26 @@ async def _read_verdicts(call, verdicts: asyncio.Queue) -> None:
                 raise VerifierError(grpc.StatusCode.UNAVAILABLE, "the verifier closed the session early")
             if message.WhichOneof("kind") == "verdict":
                 verdicts.put_nowait(message.verdict)
+            elif message.WhichOneof("kind") == "opened":
+                opened.set()
     except grpc.aio.AioRpcError as e:
         verdicts.put_nowait(VerifierError(e.code(), e.details() or ""))
     except VerifierError as e:
         verdicts.put_nowait(e)
 
 
-async def _write(call, message: pb.EdgeMessage) -> None:
-    """Writes to the stream; a stream the verifier already ended raises its status as VerifierError."""
+async def _write(call, message: pb.EdgeMessage, reader: asyncio.Task, verdicts: asyncio.Queue) -> None:
+    """Writes to the stream. A write to a stream the verifier already ended fails, with the verifier's
+    status or with a bare INTERNAL from the gRPC core; the reader then holds the verifier's status,
+    which is what this raises, as VerifierError."""
     try:
         await call.write(message)
-    except asyncio.InvalidStateError:
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as e:
+        await asyncio.wait({reader}, timeout=5.0)
+        while not verdicts.empty():
+            item = verdicts.get_nowait()
+            if isinstance(item, VerifierError):
+                raise item from None
+        if isinstance(e, grpc.aio.AioRpcError):
+            raise VerifierError(e.code(), e.details() or "") from None
         raise VerifierError(await call.code(), await call.details() or "") from None

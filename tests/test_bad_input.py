@@ -281,10 +281,19 @@ def test_committed_tokens_survive_a_refused_proposal_and_resume(server, info, dr
 
 
 def test_verifier_error_carries_the_status(server, drafter):
-    async def scenario():
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            await EdgeSession(channel, drafter).run(GenerationRequest(tuple(PROMPT), max_new_tokens=600))
+    """The first proposal leaves right behind the open and races the refusal of a bad open (the gRPC
+    core then reports a bare INTERNAL): the edge still reports the verifier's status, every time."""
 
-    with pytest.raises(VerifierError) as error:
-        asyncio.run(scenario())
-    assert error.value.code == INVALID
+    async def scenario() -> list[grpc.StatusCode]:
+        codes = []
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            for _ in range(30):
+                try:
+                    await EdgeSession(channel, drafter).run(
+                        GenerationRequest(tuple(PROMPT), max_new_tokens=600)
+                    )
+                except VerifierError as e:
+                    codes.append(e.code)
+        return codes
+
+    assert asyncio.run(scenario()) == [INVALID] * 30
