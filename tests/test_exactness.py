@@ -109,8 +109,10 @@ def test_pipelined_greedy_equals_transformers_generate(server, drafters, prompts
         assert ids == expected, f"prompt {prompt}"
     ahead = sum(s.sent_ahead for _, s in results)
     stale = sum(s.stale_rounds for _, s in results)
-    if draft == "f16":  # nearly always right: most proposals leave early and are verified
-        assert ahead > sum(s.rounds for _, s in results) / 2 and stale < ahead / 4
+    # How many leave early depends on timing (a verdict that lands first makes the next proposal a
+    # plain one), so the bounds are loose.
+    if draft == "f16":  # nearly always right: many proposals leave early, and few of those are stale
+        assert ahead >= sum(s.rounds for _, s in results) / 5 and stale <= ahead / 4
     else:  # often wrong: the stale path is exercised
         assert ahead > 0 and stale > 0
 
