@@ -165,46 +165,42 @@ class EdgeSession:
         try:
             opening = pb.EdgeMessage(open=self._open_message(request, generated))
             stats.wire_bytes += opening.ByteSize()
-            await _write(call, opening, reader, verdicts)
+            await _write(call, opening)
             pending: _Sent | None = None  # drafted, to be sent unless a verdict refutes it first
-            finished = False
-            while not finished:
-                while not verdicts.empty() and not finished:
-                    new, finished = self._apply(verdicts.get_nowait(), inflight, sequence, stats)
-                    if new:
-                        generated += new
-                        yield new
-                if finished:
-                    break
-                if pending is not None:
+            while True:
+                if not verdicts.empty():
+                    verdict = verdicts.get_nowait()
+                elif pending is not None:
                     if pending.prefix[: len(sequence)] == sequence:
                         pending.send(next(rounds))
                         stats.sent_ahead += bool(inflight)
                         stats.wire_bytes += pending.message.ByteSize()
-                        await _write(call, pending.message, reader, verdicts)
+                        await _write(call, pending.message)
                         inflight.append(pending)
                     pending = None
                     continue
-                step = plan.next(sequence, inflight)
-                if step is not None:
+                elif (step := plan.next(sequence, inflight)) is not None:
                     t0 = time.perf_counter()
                     tokens = await self._propose(step.base, step.gamma, request.sampling, stops)
                     stats.draft_s += time.perf_counter() - t0
-                    pending = step.proposal(tokens, stops)
+                    pending = plan.proposal(step, tokens)
                     continue
-                if not inflight:
+                elif not inflight:
                     raise VerifierError(grpc.StatusCode.INTERNAL, "no verdict awaited and nothing to propose")
-                new, finished = self._apply(await verdicts.get(), inflight, sequence, stats)
+                else:
+                    verdict = await verdicts.get()
+                new, finished = self._apply(verdict, inflight, sequence, stats)
                 if new:
                     generated += new
                     yield new
+                if finished:
+                    break
             await call.done_writing()
-        except grpc.aio.AioRpcError as e:
-            raise VerifierError(e.code(), e.details() or "") from None
-        except VerifierError as e:
-            if e.code == grpc.StatusCode.INTERNAL and not opened.is_set():
+        except (grpc.aio.AioRpcError, VerifierError) as e:
+            error = e if isinstance(e, VerifierError) else VerifierError(e.code(), e.details() or "")
+            if error.code == grpc.StatusCode.INTERNAL and not opened.is_set():
                 await self._raise_open_refusal(request, generated)
-            raise
+            raise error from None
         finally:
             reader.cancel()
             call.cancel()
@@ -305,7 +301,7 @@ class _Sent:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Step:
     """What to draft next: `gamma` tokens after `base`; when `assumes` the first of them is the guess
     of the bonus token of the proposal before, sent as the assumed token, not as a draft token."""
@@ -313,16 +309,6 @@ class _Step:
     base: list[int]
     gamma: int
     assumes: bool
-    planner: _Planner
-
-    def proposal(self, tokens: list[int], stops: Collection[int]) -> _Sent | None:
-        """The proposal to send, or None when the guess is a stop token (nothing follows it)."""
-        assumed, draft = (tokens[:1], tokens[1:]) if self.assumes else ([], tokens)
-        if not draft or any(t in stops for t in assumed):
-            self.planner.blocked = len(self.base)
-            return None
-        prefix = [*self.base, *assumed]
-        return _Sent(prefix, assumed, draft, self.planner.final(prefix, draft))
 
 
 @dataclass
@@ -339,15 +325,25 @@ class _Planner:
         live = [s for s in inflight if s.prefix[: len(sequence)] == sequence]
         if not live:
             gamma = self._gamma(len(sequence))
-            return _Step(sequence, gamma, False, self) if gamma else None
+            return _Step(sequence, gamma, False) if gamma else None
         last = live[-1]
         base = [*last.prefix, *last.draft]
         if len(live) > self.request.pipeline or last.final or self.blocked == len(base):
             return None
         gamma = self._gamma(len(base) + 1)
-        return _Step(base, gamma + 1, True, self) if gamma else None
+        return _Step(base, gamma + 1, True) if gamma else None
 
-    def final(self, prefix: list[int], draft: list[int]) -> bool:
+    def proposal(self, step: _Step, tokens: list[int]) -> _Sent | None:
+        """The proposal drafted for `step`, or None when the guess is a stop token (nothing follows it)."""
+        assumed, draft = (tokens[:1], tokens[1:]) if step.assumes else ([], tokens)
+        if not draft or any(t in self.stops for t in assumed):
+            self.blocked = len(step.base)
+            return None
+        prefix = [*step.base, *assumed]
+        return _Sent(prefix, assumed, draft, self._final(prefix, draft))
+
+    def _final(self, prefix: list[int], draft: list[int]) -> bool:
+        """Whether the proposal's verdict may finish the session (budget or a stop token)."""
         generated = len(prefix) - len(self.request.prompt_token_ids)
         return generated + len(draft) + 1 >= self.budget or any(t in self.stops for t in draft)
 
@@ -374,18 +370,9 @@ async def _read_verdicts(call, verdicts: asyncio.Queue, opened: asyncio.Event) -
         verdicts.put_nowait(e)
 
 
-async def _write(call, message: pb.EdgeMessage, reader: asyncio.Task, verdicts: asyncio.Queue) -> None:
-    """Writes to the stream. A write to a stream the verifier already ended fails, with the verifier's
-    status or with a bare INTERNAL from the gRPC core; the reader then holds the verifier's status,
-    which is what this raises, as VerifierError."""
+async def _write(call, message: pb.EdgeMessage) -> None:
+    """Writes to the stream; a stream the verifier already ended raises its status as VerifierError."""
     try:
         await call.write(message)
-    except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as e:
-        await asyncio.wait({reader}, timeout=5.0)
-        while not verdicts.empty():
-            item = verdicts.get_nowait()
-            if isinstance(item, VerifierError):
-                raise item from None
-        if isinstance(e, grpc.aio.AioRpcError):
-            raise VerifierError(e.code(), e.details() or "") from None
+    except asyncio.InvalidStateError:
         raise VerifierError(await call.code(), await call.details() or "") from None
