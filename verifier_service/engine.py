@@ -3,8 +3,8 @@
 A session's cache holds every committed position but the last committed token; a forward first cuts
 the cache back to the positions the caller keeps, then runs the new tokens on top of it, so a round
 costs gamma + 1 positions and never recomputes the prefix. Cache layers append in place into spare
-capacity (transformers' DynamicLayer concatenates, copying the whole cache every round), and a batch
-of sessions copies each session's cache once into the batch and only the new positions back.
+capacity. A batch of sessions runs the projections and MLPs of all rows as one pass, while each row's
+attention reads its own session's cache where it lies: nothing is gathered or padded per round.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import Cache
 
 from draftwire.vocab import Vocabulary, vocabulary_of
 
@@ -39,77 +39,128 @@ class Forward:
     logits: bool = True  # False skips the logits (prefill)
 
 
-class GrowingLayer(DynamicLayer):
-    """A cache layer that appends in place into spare capacity, doubling it when full.
-
-    `keys` and `values` are views of the first `length` positions. # [batch, kv_heads, length, head_dim]
-    """
+class GrowingLayer:
+    """One layer of one session's cache: keys and values that append in place into spare capacity,
+    doubling it when full (transformers' DynamicLayer concatenates, copying the whole cache each round)."""
 
     def __init__(self):
-        super().__init__()
-        self._keys: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        self._keys: torch.Tensor | None = None  # [1, kv_heads, capacity, head_dim]
         self._values: torch.Tensor | None = None
-        self._length = 0
+        self.length = 0  # positions held
 
-    @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
-        """A layer over preallocated buffers whose first `length` positions are filled."""
-        layer = cls()
-        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
-        layer._keys, layer._values = keys, values
-        layer._set_length(length)
-        return layer
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self._length + key_states.shape[-2]
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends new positions; returns views of all held ones.  # each [1, kv_heads, length, head_dim]"""
+        end = self.length + keys.shape[-2]
         if self._keys is None or end > self._keys.shape[-2]:
-            self._grow(key_states, end)
-        self._keys[..., self._length : end, :] = key_states
-        self._values[..., self._length : end, :] = value_states
-        self._set_length(end)
-        return self.keys, self.values
+            self._grow(keys, end)
+        self._keys[..., self.length : end, :] = keys
+        self._values[..., self.length : end, :] = values
+        self.length = end
+        return self._keys[..., :end, :], self._values[..., :end, :]
 
-    def get_seq_length(self) -> int:
-        return self._length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last -tokens_to_remove positions (a negative count, as DynamicLayer takes)."""
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count of positions to remove")
-        if self.is_initialized:
-            self._set_length(max(0, self._length + tokens_to_remove))
+    def cut(self, length: int) -> None:
+        """Keeps the first `length` positions."""
+        self.length = min(self.length, length)
 
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         old = 0 if self._keys is None else self._keys.shape[-2]
         shape = (*like.shape[:-2], max(needed, 2 * old, 64), like.shape[-1])
         keys, values = like.new_empty(shape), like.new_empty(shape)
         if self._keys is not None:
-            keys[..., : self._length, :] = self._keys[..., : self._length, :]
-            values[..., : self._length, :] = self._values[..., : self._length, :]
+            keys[..., : self.length, :] = self._keys[..., : self.length, :]
+            values[..., : self.length, :] = self._values[..., : self.length, :]
         self._keys, self._values = keys, values
 
-    def _set_length(self, length: int) -> None:
-        self._length = length
-        self.keys = self._keys[..., :length, :]
-        self.values = self._values[..., :length, :]
+
+@dataclass
+class _Rows:
+    """A batch's keys (or values) of one layer, row by row: each row's whole session, new positions last."""
+
+    states: list[torch.Tensor]  # per row [1, kv_heads, held positions, head_dim]
+    widths: list[int]  # new positions per row
 
 
-def new_cache(config) -> DynamicCache:
-    """A DynamicCache whose plain layers grow in place; special layers (sliding windows) stay as they are."""
-    cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
+class _RowsLayer:
+    """One layer of a batch, as transformers' attention modules see it: `update` appends each row's new
+    positions to its session's layer (and not the padding after them) and hands on the rows."""
+
+    is_sliding = False
+
+    def __init__(self, sessions: list[GrowingLayer], widths: list[int]):
+        self.sessions, self.widths = sessions, widths
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states  # [rows, kv_heads, width, head_dim]
+        held = [
+            layer.append(key_states[r : r + 1, :, :n], value_states[r : r + 1, :, :n])
+            for r, (layer, n) in enumerate(zip(self.sessions, self.widths, strict=True))
+        ]
+        return _Rows([k for k, _ in held], self.widths), _Rows([v for _, v in held], self.widths)
+
+
+class _RowsCache(Cache):
+    """The past_key_values of a batch: each row reads and grows its own session's cache in place, so no
+    session's cache is copied into the batch. Paired with `rows_attention`."""
+
+    def __init__(self, sessions: list[list[GrowingLayer]], widths: list[int]):
+        super().__init__(layers=[_RowsLayer(list(layer), widths) for layer in zip(*sessions, strict=True)])
+
+
+ROWS_ATTENTION = "draftwire_rows"
+
+
+def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A transformers attention function: each row of the batch attends over its own session's keys and
+    values (from `_RowsCache`), causally, with no padding and no copy of the cache.
+
+    query  # [rows, heads, width, head_dim]; key, value: _Rows
+    returns (output [rows, width, heads, head_dim], None); padding positions come out as zeros.
+    """
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the verifier's attention supports neither logit softcapping nor sinks")
+    window = kwargs.get("sliding_window")
+    _, heads, width, head_dim = query.shape
+    outputs = []
+    for r, (keys, values, n) in enumerate(zip(key.states, value.states, key.widths, strict=True)):
+        held = keys.shape[-2]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[r : r + 1, :, :n],
+            keys,
+            values,
+            attn_mask=_causal_mask(n, held, window, query.device),
+            scale=scaling,
+            enable_gqa=True,
+        )
+        out = out.transpose(1, 2)  # [1, n, heads, head_dim]
+        if n < width:
+            out = torch.cat([out, out.new_zeros(1, width - n, heads, head_dim)], dim=1)
+        outputs.append(out)
+    return torch.cat(outputs), None
+
+
+def _causal_mask(new: int, held: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which of `held` positions each of the last `new` ones sees (itself and earlier, within the
+    sliding window if any).  # [new, held] bool, or None when that is all of them"""
+    if new == 1 and (window is None or held <= window):
+        return None
+    query_pos = torch.arange(held - new, held, device=device)[:, None]
+    key_pos = torch.arange(held, device=device)[None, :]
+    seen = key_pos <= query_pos
+    if window is not None:
+        seen &= key_pos > query_pos - window
+    return seen
+
+
+AttentionInterface.register(ROWS_ATTENTION, rows_attention)
 
 
 @dataclass
 class _Cache:
-    kv: DynamicCache
-    length: int = 0  # positions held
+    layers: list[GrowingLayer]
+
+    @property
+    def length(self) -> int:  # positions held
+        return self.layers[0].length
 
 
 class TargetEngine:
@@ -117,13 +168,12 @@ class TargetEngine:
     serialise calls, e.g. on one executor thread)."""
 
     def __init__(self, model: torch.nn.Module, info: TargetInfo, device: torch.device):
+        model.set_attn_implementation(ROWS_ATTENTION)
         self.model = model
         self.info = info
         self.device = device
+        self._layers = model.config.get_text_config().num_hidden_layers
         self._caches: dict[str, _Cache] = {}
-        # Per layer, the keys and values buffers batches are assembled in, reused from batch to batch:
-        # fresh large buffers each batch cost more in page faults than the copies into them.
-        self._workspace: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def load(cls, model_dir: Path, device: str | None = None) -> TargetEngine:
@@ -161,104 +211,52 @@ class TargetEngine:
             raise ValueError("one forward per session in a batch")
         caches = [self._cut(f.key, f.keep) for f in forwards]
         live = [(f, c) for f, c in zip(forwards, caches, strict=True) if f.token_ids]
-        # Rounds batch; a prefill (long, no logits) or an empty cache runs alone.
-        batch = [(f, c) for f, c in live if f.logits and c.length and _batchable(c.kv)]
-        if len(batch) < 2:
-            batch = []
-        batched = {f.key for f, _ in batch}
-        alone = [(f, c) for f, c in live if f.key not in batched]
-        by_key = {f.key: self._run_one(f, c) for f, c in alone}
-        if batch:
-            by_key.update(zip((f.key for f, _ in batch), self._run_batch(batch), strict=True))
+        by_key = {}
+        # Prefills run with prefills and rounds with rounds: a long prefill in a batch of rounds would
+        # pad every round to its length.
+        for wants_logits in (False, True):
+            group = [(f, c) for f, c in live if f.logits == wants_logits]
+            if group:
+                by_key.update(zip((f.key for f, _ in group), self._run(group), strict=True))
         empty = torch.empty(0, self.info.vocabulary.size)
         return [by_key.get(f.key, empty) if f.logits else None for f in forwards]
 
     def _cut(self, key: str, keep: int) -> _Cache:
         cache = self._caches.get(key)
         if cache is None:
-            cache = self._caches[key] = _Cache(new_cache(self.model.config))
+            cache = self._caches[key] = _Cache([GrowingLayer() for _ in range(self._layers)])
         if keep > cache.length:
             raise ValueError(f"session {key} holds {cache.length} positions, cannot keep {keep}")
-        if keep < cache.length:
-            cache.kv.crop(keep - cache.length)  # a negative count removes that many positions
-            cache.length = keep
+        for layer in cache.layers:
+            layer.cut(keep)
         return cache
 
-    def _run_one(self, f: Forward, cache: _Cache) -> torch.Tensor | None:
-        ids = torch.tensor([f.token_ids], device=self.device)
-        out = self.model(
-            input_ids=ids, past_key_values=cache.kv, use_cache=True, logits_to_keep=0 if f.logits else 1
-        )
-        cache.length += len(f.token_ids)
-        return out.logits[0, :, : self.info.vocabulary.size].float().cpu() if f.logits else None
-
-    def _run_batch(self, live: list[tuple[Forward, _Cache]]) -> list[torch.Tensor | None]:
-        # Each row: its session's past, left-padded to the longest past, then its new tokens,
-        # right-padded to the longest. The mask hides both paddings; positions come per row.
-        past = max(c.length for _, c in live)
+    def _run(self, live: list[tuple[Forward, _Cache]]) -> list[torch.Tensor | None]:
+        # Each row: its session's new tokens, right-padded to the longest, at the session's own
+        # positions; attention reads each session's cache where it lies (rows_attention).
         width = max(len(f.token_ids) for f, _ in live)
-        rows = len(live)
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        mask = torch.zeros(rows, past + width, dtype=torch.long)
-        positions = torch.zeros(rows, width, dtype=torch.long)
+        ids = torch.zeros(len(live), width, dtype=torch.long)
+        positions = torch.zeros(len(live), width, dtype=torch.long)
         for r, (f, c) in enumerate(live):
             ids[r, : len(f.token_ids)] = torch.tensor(f.token_ids)
-            mask[r, past - c.length : past + len(f.token_ids)] = 1
             positions[r] = c.length + torch.arange(width)
-        # One copy of each session's cache into the batch's buffers, which leave room for the new
-        # positions; the model writes those in place, and only they are copied back.
-        batch_kv = DynamicCache(config=self.model.config)
-        layers = []
-        for layer in range(len(live[0][1].kv.layers)):
-            keys, values = self._batch_buffers(layer, live[0][1].kv.layers[layer].keys, rows, past + width)
-            for r, (_, c) in enumerate(live):
-                session_layer = c.kv.layers[layer]
-                keys[r, :, past - c.length : past] = session_layer.keys[0]
-                values[r, :, past - c.length : past] = session_layer.values[0]
-            layers.append(GrowingLayer.holding(keys, values, past))
-        batch_kv.layers = layers
+        widths = [len(f.token_ids) for f, _ in live]
         out = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=batch_kv,
+            past_key_values=_RowsCache([c.layers for _, c in live], widths),
             use_cache=True,
+            logits_to_keep=0 if any(f.logits for f, _ in live) else 1,
         )
-        results = []
-        for r, (f, c) in enumerate(live):
-            n = len(f.token_ids)
-            for layer, batch_layer in enumerate(batch_kv.layers):
-                new_keys = batch_layer.keys[r : r + 1, :, past : past + n]
-                new_values = batch_layer.values[r : r + 1, :, past : past + n]
-                c.kv.layers[layer].update(new_keys, new_values)
-            c.length += n
-            results.append(out.logits[r, :n, : self.info.vocabulary.size].float().cpu() if f.logits else None)
-        return results
-
-    def _batch_buffers(
-        self, layer: int, like: torch.Tensor, rows: int, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [rows, kv_heads, length, head_dim] of the layer's workspace, grown when too small. The
-        workspace starts zeroed and only ever holds keys and values, so padding the attention mask hides
-        is finite (a NaN there would leak through the zero attention weight)."""
-        while len(self._workspace) <= layer:
-            self._workspace.append((like.new_zeros(0, 0, 0, 0), like.new_zeros(0, 0, 0, 0)))
-        keys, values = self._workspace[layer]
-        if keys.shape[0] < rows or keys.shape[2] < length:
-            grown = max(length, min(2 * keys.shape[2], self.info.max_context))
-            shape = (max(rows, keys.shape[0]), like.shape[1], grown, like.shape[3])
-            keys, values = like.new_zeros(shape), like.new_zeros(shape)
-            self._workspace[layer] = (keys, values)
-        return keys[:rows, :, :length], values[:rows, :, :length]
+        vocab = self.info.vocabulary.size
+        return [
+            out.logits[r, :n, :vocab].float().cpu() if f.logits else None
+            for r, ((f, _), n) in enumerate(zip(live, widths, strict=True))
+        ]
 
     def release(self, key: str) -> None:
         """Frees session `key`'s cache; unknown keys are ignored."""
         self._caches.pop(key, None)
-
-
-def _batchable(kv: DynamicCache) -> bool:
-    # Sliding-window or otherwise special layers keep their own bookkeeping: run those one at a time.
-    return all(type(layer) is GrowingLayer and layer.is_initialized for layer in kv.layers)
 
 
 def target_info(target_id: str, tokenizer, config) -> TargetInfo:

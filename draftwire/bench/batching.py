@@ -59,6 +59,7 @@ async def run_arm(target: Path, vocabulary, arm: Arm, scripts, args) -> ArmResul
     # The verifier runs in its own process, as it would beside remote edges: the clients' Python
     # work here does not steal the replica's interpreter.
     flags = ["--max-batch", str(arm.max_batch), "--batch-window-ms", str(args.window_ms)]
+    flags += ["--threads", str(args.verifier_threads)]
     with ServerProcess(target, *flags) as server:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.VerifierStub(channel)
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--window-ms", type=float, default=10.0, help="batcher's longest wait for open sessions")
+    ap.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     report = asyncio.run(main_async(args))
