@@ -1,16 +1,25 @@
-"""Smoke run of the batching benchmark at tiny sizes, so that it cannot rot."""
+"""Smoke runs of the batching benchmarks at tiny sizes, so that they cannot rot."""
 
 import json
 
 from draftwire.bench import batching
+from draftwire.bench import engine as engine_bench
 
 
 def test_batching_benchmark_runs_and_stays_exact(test_pair, tmp_path, capsys):
     out = tmp_path / "report.json"
-    args = ["--target", str(test_pair.target_dir), "--sessions", "4", "--new-tokens", "8", "--json", str(out)]
+    args = ["--target", str(test_pair.target_dir), "--sessions", "4", "--new-tokens", "8", "--repeats", "1"]
+    args += ["--json", str(out)]
     assert batching.main(args) == 0
     report = json.loads(out.read_text())
     assert [a["exact"] for a in report["arms"]] == [True, True]
     assert report["arms"][0]["mean_batch"] == 1.0
     assert report["speedup"] > 0
     assert "batched / one at a time" in capsys.readouterr().out
+
+
+def test_engine_benchmark_runs(test_pair, capsys):
+    args = ["--target", str(test_pair.target_dir), "--sessions", "3", "--lengths", "4,9", "--repeats", "1"]
+    assert engine_bench.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 to 10")]
+    assert len(rows) == 1 and rows[0].endswith(" x |")

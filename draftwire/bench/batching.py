@@ -4,13 +4,14 @@ Both arms run in one invocation on the same engine, prompts and proposals (repla
 target's own greedy continuation, a share of them corrupted), through a real gRPC server on loopback.
 Outputs must equal the target's continuation in both arms.
 
-    python -m draftwire.bench.batching --target DIR [--sessions 16] [--new-tokens 48] [--gamma 4]
+    python -m draftwire.bench.batching --target DIR [--sessions 16] [--new-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -35,13 +36,15 @@ class Arm:
 
 
 @dataclass
-class ArmResult:
-    name: str
+class Wave:
+    """All sessions run once, concurrently, against one arm's server."""
+
     tokens: int
     wall_s: float
-    mean_batch: float
-    p50_round_ms: float
-    engine_busy: float  # share of the wall time the replica's engine was computing
+    batches: int
+    forwards: int
+    engine_s: float
+    round_s: list[float]
     exact: bool
 
     @property
@@ -55,38 +58,43 @@ def prompts_for(engine: TargetEngine, sessions: int, length: int = 24) -> list[t
     return [tuple((7 + 31 * s + 17 * i) % (size - 10) + 5 for i in range(length)) for s in range(sessions)]
 
 
-async def run_arm(target: Path, vocabulary, arm: Arm, scripts, args) -> ArmResult:
-    # The verifier runs in its own process, as it would beside remote edges: the clients' Python
-    # work here does not steal the replica's interpreter.
-    flags = ["--max-batch", str(arm.max_batch), "--batch-window-ms", str(args.window_ms)]
-    flags += ["--threads", str(args.verifier_threads)]
-    with ServerProcess(target, *flags) as server:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = pb_grpc.VerifierStub(channel)
-            before = await stub.GetStats(pb.StatsRequest())
-            runs = []
-            for s, (prompt, script) in enumerate(scripts):
-                drafter = ReplayDrafter(prompt + tuple(script), vocabulary, args.corrupt, seed=s)
-                request = GenerationRequest(
-                    prompt, max_new_tokens=args.new_tokens, gamma=args.gamma, ignore_eos=True
-                )
-                runs.append(EdgeSession(channel, drafter).run(request))
-            start = time.perf_counter()
-            results = await asyncio.gather(*runs)
-            wall = time.perf_counter() - start
-            after = await stub.GetStats(pb.StatsRequest())
-    batches = after.engine_batches - before.engine_batches
-    forwards = after.engine_forwards - before.engine_forwards
-    rounds = [t for _, stats in results for t in stats.round_s]
-    return ArmResult(
-        name=arm.name,
+async def run_wave(address: str, vocabulary, scripts, args) -> Wave:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        before = await stub.GetStats(pb.StatsRequest())
+        runs = []
+        for s, (prompt, script) in enumerate(scripts):
+            drafter = ReplayDrafter(prompt + tuple(script), vocabulary, args.corrupt, seed=s)
+            request = GenerationRequest(
+                prompt, max_new_tokens=args.new_tokens, gamma=args.gamma, ignore_eos=True
+            )
+            runs.append(EdgeSession(channel, drafter).run(request))
+        start = time.perf_counter()
+        results = await asyncio.gather(*runs)
+        wall = time.perf_counter() - start
+        after = await stub.GetStats(pb.StatsRequest())
+    return Wave(
         tokens=sum(len(ids) for ids, _ in results),
         wall_s=wall,
-        mean_batch=forwards / batches if batches else 0.0,
-        p50_round_ms=1000 * statistics.median(rounds),
-        engine_busy=(after.engine_seconds - before.engine_seconds) / wall,
+        batches=after.engine_batches - before.engine_batches,
+        forwards=after.engine_forwards - before.engine_forwards,
+        engine_s=after.engine_seconds - before.engine_seconds,
+        round_s=[t for _, stats in results for t in stats.round_s],
         exact=all(ids == script for (ids, _), (_, script) in zip(results, scripts, strict=True)),
     )
+
+
+def summary(arm: Arm, waves: list[Wave]) -> dict:
+    rates = [w.tokens_per_s for w in waves]
+    return {
+        "name": arm.name,
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_each": rates,
+        "mean_batch": sum(w.forwards for w in waves) / max(1, sum(w.batches for w in waves)),
+        "p50_round_ms": 1000 * statistics.median(t for w in waves for t in w.round_s),
+        "engine_busy": sum(w.engine_s for w in waves) / sum(w.wall_s for w in waves),
+        "exact": all(w.exact for w in waves),
+    }
 
 
 async def main_async(args) -> dict:
@@ -97,49 +105,58 @@ async def main_async(args) -> dict:
         for p in prompts
     ]
     arms = [Arm("one session at a time", 1), Arm(f"batched (up to {args.max_batch})", args.max_batch)]
-    results = [await run_arm(args.target, engine.info.vocabulary, arm, scripts, args) for arm in arms]
-    serial, batched = results
-    report = {
+    # Both replicas run side by side, each in its own process as it would beside remote edges (the
+    # clients' Python does not steal its interpreter); the arms take turns, so drift on this machine
+    # touches both alike. A first wave each warms up and is not counted.
+    flags = ["--batch-window-ms", str(args.window_ms), "--threads", str(args.verifier_threads)]
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(ServerProcess(args.target, "--max-batch", str(arm.max_batch), *flags))
+            for arm in arms
+        ]
+        waves: list[list[Wave]] = [[] for _ in arms]
+        for repeat in range(args.repeats + 1):
+            for server, arm_waves in zip(servers, waves, strict=True):
+                wave = await run_wave(server.address, engine.info.vocabulary, scripts, args)
+                if repeat:
+                    arm_waves.append(wave)
+    serial, batched = (summary(arm, arm_waves) for arm, arm_waves in zip(arms, waves, strict=True))
+    return {
         "target": engine.info.target_id,
         "sessions": args.sessions,
         "gamma": args.gamma,
         "new_tokens": args.new_tokens,
         "corrupt": args.corrupt,
-        "arms": [
-            {
-                "name": r.name,
-                "tokens_per_s": r.tokens_per_s,
-                "wall_s": r.wall_s,
-                "mean_batch": r.mean_batch,
-                "p50_round_ms": r.p50_round_ms,
-                "engine_busy": r.engine_busy,
-                "exact": r.exact,
-            }
-            for r in results
+        "repeats": args.repeats,
+        "arms": [serial, batched],
+        "speedup": batched["tokens_per_s"] / serial["tokens_per_s"],
+        "speedup_each": [
+            b / s for s, b in zip(serial["tokens_per_s_each"], batched["tokens_per_s_each"], strict=True)
         ],
-        "speedup": batched.tokens_per_s / serial.tokens_per_s,
     }
-    return report
 
 
 def markdown(report: dict) -> str:
     lines = [
         f"{report['sessions']} concurrent sessions, gamma {report['gamma']}, "
-        f"{report['new_tokens']} new tokens each, target {report['target']}",
+        f"{report['new_tokens']} new tokens each, target {report['target']}; "
+        f"median of {report['repeats']} waves per arm, arms taking turns",
         "",
-        "| arm | committed tokens/s | mean batch | p50 round (ms) | engine busy | exact |",
-        "|---|---|---|---|---|---|",
+        "| arm | committed tokens/s | each wave | mean batch | p50 round (ms) | engine busy | exact |",
+        "|---|---|---|---|---|---|---|",
     ]
     for a in report["arms"]:
         cells = [
             a["name"],
             f"{a['tokens_per_s']:.0f}",
+            " ".join(f"{rate:.0f}" for rate in a["tokens_per_s_each"]),
             f"{a['mean_batch']:.1f}",
             f"{a['p50_round_ms']:.1f}",
             f"{a['engine_busy']:.0%}",
         ]
         lines.append("| " + " | ".join([*cells, str(a["exact"])]) + " |")
-    lines.append(f"\nbatched / one at a time: **{report['speedup']:.2f}x**")
+    each = ", ".join(f"{ratio:.2f}" for ratio in report["speedup_each"])
+    lines.append(f"\nbatched / one at a time: **{report['speedup']:.2f}x** (wave by wave: {each})")
     return "\n".join(lines)
 
 
@@ -147,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens each session commits")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--window-ms", type=float, default=10.0, help="batcher's longest wait for open sessions")
     ap.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
+    ap.add_argument("--repeats", type=int, default=3, help="counted waves per arm")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     report = asyncio.run(main_async(args))
