@@ -78,6 +78,7 @@ class _Rows:
 
     states: list[torch.Tensor]  # per row [1, kv_heads, held positions, head_dim]
     widths: list[int]  # new positions per row
+    masks: dict  # the batch's causal masks, built once for all its layers: _causal_mask's arguments -> mask
 
 
 class _RowsLayer:
@@ -86,8 +87,8 @@ class _RowsLayer:
 
     is_sliding = False
 
-    def __init__(self, sessions: list[GrowingLayer], widths: list[int]):
-        self.sessions, self.widths = sessions, widths
+    def __init__(self, sessions: list[GrowingLayer], widths: list[int], masks: dict):
+        self.sessions, self.widths, self.masks = sessions, widths, masks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states  # [rows, kv_heads, width, head_dim]
@@ -95,7 +96,8 @@ class _RowsLayer:
             layer.append(key_states[r : r + 1, :, :n], value_states[r : r + 1, :, :n])
             for r, (layer, n) in enumerate(zip(self.sessions, self.widths, strict=True))
         ]
-        return _Rows([k for k, _ in held], self.widths), _Rows([v for _, v in held], self.widths)
+        keys, values = ([states[i] for states in held] for i in (0, 1))
+        return _Rows(keys, self.widths, self.masks), _Rows(values, self.widths, self.masks)
 
 
 class _RowsCache(Cache):
@@ -103,7 +105,9 @@ class _RowsCache(Cache):
     session's cache is copied into the batch. Paired with `rows_attention`."""
 
     def __init__(self, sessions: list[list[GrowingLayer]], widths: list[int]):
-        super().__init__(layers=[_RowsLayer(list(layer), widths) for layer in zip(*sessions, strict=True)])
+        masks = {}
+        layers = [_RowsLayer(list(layer), widths, masks) for layer in zip(*sessions, strict=True)]
+        super().__init__(layers=layers)
 
 
 ROWS_ATTENTION = "draftwire_rows"
@@ -118,16 +122,20 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     """
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("the verifier's attention supports neither logit softcapping nor sinks")
+    if not isinstance(key, _Rows):
+        raise TypeError("rows_attention reads the sessions' caches: run the model through TargetEngine")
     window = kwargs.get("sliding_window")
     _, heads, width, head_dim = query.shape
     outputs = []
     for r, (keys, values, n) in enumerate(zip(key.states, value.states, key.widths, strict=True)):
-        held = keys.shape[-2]
+        shape = (n, keys.shape[-2], window)
+        if shape not in key.masks:
+            key.masks[shape] = _causal_mask(*shape, query.device)
         out = torch.nn.functional.scaled_dot_product_attention(
             query[r : r + 1, :, :n],
             keys,
             values,
-            attn_mask=_causal_mask(n, held, window, query.device),
+            attn_mask=key.masks[shape],
             scale=scaling,
             enable_gqa=True,
         )
