@@ -9,6 +9,7 @@ sweep of gamma, greedy and seeded sampling; (d) the same through a delaying prox
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -183,6 +184,16 @@ async def run_draftwire(
     return row
 
 
+@contextlib.asynccontextmanager
+async def _route(host: str, port: int, rtt_ms: float):
+    """The address edges dial: the server itself, or a delaying proxy in front of it."""
+    if not rtt_ms:
+        yield f"{host}:{port}"
+        return
+    async with DelayProxy(DelayConfig(host, port, rtt_ms / 1000)) as proxy:
+        yield proxy.address
+
+
 async def run_all(config: BenchConfig, log=print) -> dict:
     engine = TargetEngine.load(config.target_dir)
     rows: list[Row] = []
@@ -205,20 +216,16 @@ async def run_all(config: BenchConfig, log=print) -> dict:
                     await run_draftwire(config, drafter, server.address, server.address, mode, gamma, 0)
                 )
             gamma = config.delay_gamma
-            for depth in (d for d in config.pipelines if d):
-                log(f"(c) draftwire loopback, {mode}, gamma {gamma}, pipelined {depth}")
-                rows.append(
-                    await run_draftwire(
-                        config, drafter, server.address, server.address, mode, gamma, 0, depth
-                    )
-                )
-            for rtt in config.rtts_ms:
-                async with DelayProxy(DelayConfig(host, int(port), rtt / 1000)) as proxy:
+            for rtt in (0, *config.rtts_ms):
+                async with _route(host, int(port), rtt) as address:
                     for depth in config.pipelines:
-                        log(f"(d) draftwire at {rtt:g} ms RTT, {mode}, gamma {gamma}, pipelined {depth}")
+                        if not rtt and not depth:
+                            continue  # the gamma sweep above ran it
+                        where = f"at {rtt:g} ms RTT" if rtt else "loopback"
+                        log(f"draftwire {where}, {mode}, gamma {gamma}, pipelined {depth}")
                         rows.append(
                             await run_draftwire(
-                                config, drafter, proxy.address, server.address, mode, gamma, rtt, depth
+                                config, drafter, address, server.address, mode, gamma, rtt, depth
                             )
                         )
     for row in rows:
