@@ -23,3 +23,13 @@ def test_engine_benchmark_runs(test_pair, capsys):
     assert engine_bench.main(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 to 10")]
     assert len(rows) == 1 and rows[0].endswith(" x |")
+
+
+def test_batching_benchmark_through_a_ray_pool(test_pair, tmp_path):
+    """--pool: each arm is `serve --ray --replicas 1`, a local Ray cluster with the front before it."""
+    out = tmp_path / "report.json"
+    args = ["--target", str(test_pair.target_dir), "--sessions", "3", "--new-tokens", "6", "--repeats", "1"]
+    assert batching.main([*args, "--pool", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [a["exact"] for a in report["arms"]] == [True, True]
+    assert report["arms"][0]["mean_batch"] == 1.0  # the replica honours --max-batch 1 through the pool

@@ -4,7 +4,7 @@ Both arms run in one invocation on the same engine, prompts and proposals (repla
 target's own greedy continuation, a share of them corrupted), through a real gRPC server on loopback.
 Outputs must equal the target's continuation in both arms.
 
-    python -m draftwire.bench.batching --target DIR [--sessions 16] [--new-tokens 128] [--repeats 3]
+    python -m draftwire.bench.batching --target DIR [--sessions 16] [--new-tokens 128] [--repeats 3] [--pool]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ async def main_async(args) -> dict:
     # clients' Python does not steal its interpreter); the arms take turns, so drift on this machine
     # touches both alike. A first wave each warms up and is not counted.
     flags = ["--batch-window-ms", str(args.window_ms), "--threads", str(args.verifier_threads)]
+    if args.pool:  # a one-replica Ray pool behind its front; the replica holds all the machine's cores
+        flags += ["--ray", "--replicas", "1", "--replica-cpus", str(os.cpu_count())]
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(ServerProcess(args.target, "--max-batch", str(arm.max_batch), *flags))
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--window-ms", type=float, default=10.0, help="batcher's longest wait for open sessions")
     ap.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
+    ap.add_argument("--pool", action="store_true", help="each arm a one-replica Ray pool (serve --ray)")
     ap.add_argument("--repeats", type=int, default=3, help="counted waves per arm")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
