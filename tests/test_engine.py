@@ -2,6 +2,7 @@
 
 import shutil
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -80,3 +81,26 @@ def test_a_sliding_window_target_sees_only_its_window(test_pair, tmp_path):
             expected = full_logits(model, sequences[f.key] + new[f.key])[len(sequences[f.key]) - 1 :]
             torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
             sequences[f.key] += new[f.key][:2]
+
+
+def test_a_failed_batch_leaves_every_cache_as_it_was(test_pair):
+    """A forward that fails after the first layer appended its keys: no session holds the failed
+    positions, and the next rounds still give a plain forward's logits."""
+    engine = TargetEngine.load(test_pair.target_dir)
+    model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
+    sequences = {"a": list(range(5, 20)), "b": list(range(30, 38))}
+    engine.forward_many([Forward(key, 0, tuple(ids[:-1]), logits=False) for key, ids in sequences.items()])
+    rounds = [Forward(key, len(ids) - 1, (ids[-1], 7, 8)) for key, ids in sequences.items()]
+
+    def fail(*_):
+        raise RuntimeError("device lost")
+
+    hook = engine.model.model.layers[1].register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.forward_many(rounds)
+    hook.remove()
+    with pytest.raises(ValueError, match="cannot keep"):  # as if the failed round had been cached
+        engine.forward("a", len(sequences["a"]) + 2, [9])
+    for f, logits in zip(rounds, engine.forward_many(rounds), strict=True):
+        expected = full_logits(model, sequences[f.key] + [7, 8])[len(sequences[f.key]) - 1 :]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -245,17 +245,27 @@ class TargetEngine:
         width = max(len(f.token_ids) for f, _ in live)
         ids = torch.zeros(len(live), width, dtype=torch.long)
         positions = torch.zeros(len(live), width, dtype=torch.long)
-        for r, (f, c) in enumerate(live):
-            ids[r, : len(f.token_ids)] = torch.tensor(f.token_ids)
-            positions[r] = c.length + torch.arange(width)
         widths = [len(f.token_ids) for f, _ in live]
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=_RowsCache([c.layers for _, c in live], widths),
-            use_cache=True,
-            logits_to_keep=0 if any(f.logits for f, _ in live) else 1,
-        )
+        held = [c.length for _, c in live]
+        for r, (f, c) in enumerate(live):
+            ids[r, : widths[r]] = torch.tensor(f.token_ids)
+            # Padding repeats the row's last position: it is never cached nor read, and stays inside
+            # the model's position range.
+            positions[r] = c.length + torch.arange(width).clamp(max=widths[r] - 1)
+        try:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=_RowsCache([c.layers for _, c in live], widths),
+                use_cache=True,
+                logits_to_keep=0 if any(f.logits for f, _ in live) else 1,
+            )
+        except BaseException:
+            # A failure part-way leaves some layers appended: put every row back as it was.
+            for (_, c), length in zip(live, held, strict=True):
+                for layer in c.layers:
+                    layer.cut(length)
+            raise
         vocab = self.info.vocabulary.size
         return [
             out.logits[r, :n, :vocab].float().cpu() if f.logits else None
