@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from draftwire.bench.prompts import id_prompts
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
@@ -36,15 +37,6 @@ class LoadConfig:
     prompt_tokens: int = 16
 
 
-def prompts_for(vocab_size: int, config: LoadConfig) -> list[tuple[int, ...]]:
-    """Deterministic prompts of ordinary ids (clear of the low special ids), different per prompt."""
-    span = vocab_size - 10
-    return [
-        tuple((7 + 31 * p + 17 * i) % span + 5 for i in range(config.prompt_tokens))
-        for p in range(config.prompts)
-    ]
-
-
 async def record(channel: grpc.aio.Channel, config: LoadConfig) -> tuple[Vocabulary, list[tuple]]:
     """(vocabulary, [(prompt, the target's continuation)]) through the server itself.
 
@@ -52,7 +44,7 @@ async def record(channel: grpc.aio.Channel, config: LoadConfig) -> tuple[Vocabul
     """
     info = await pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
     vocab = Vocabulary(info.vocab_size, info.tokenizer_fingerprint)
-    prompts = prompts_for(info.vocab_size, config)
+    prompts = id_prompts(info.vocab_size, config.prompts, config.prompt_tokens)
 
     async def one(prompt):
         drafter = ReplayDrafter(prompt, vocab, corrupt=1.0)  # random proposals: the target's own tokens

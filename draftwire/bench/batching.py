@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from draftwire.bench.prompts import id_prompts
 from draftwire.serverproc import ServerProcess
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
@@ -51,12 +52,6 @@ class Wave:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
-
-
-def prompts_for(engine: TargetEngine, sessions: int, length: int = 24) -> list[tuple[int, ...]]:
-    """Deterministic prompts of in-vocabulary ids, different per session."""
-    size = engine.info.vocabulary.size
-    return [tuple((7 + 31 * s + 17 * i) % (size - 10) + 5 for i in range(length)) for s in range(sessions)]
 
 
 async def run_wave(address: str, vocabulary, scripts, args) -> Wave:
@@ -100,7 +95,7 @@ def summary(arm: Arm, waves: list[Wave]) -> dict:
 
 async def main_async(args) -> dict:
     engine = TargetEngine.load(args.target)
-    prompts = prompts_for(engine, args.sessions)
+    prompts = id_prompts(engine.info.vocabulary.size, args.sessions, 24)
     scripts = [
         (p, reference_decode(engine, SessionSpec(p, max_new_tokens=args.new_tokens, ignore_eos=True)))
         for p in prompts

@@ -11,6 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
+from draftwire.bench.prompts import id_prompts
 from verifier_service.engine import Forward, TargetEngine
 
 
@@ -27,10 +28,10 @@ def median_ms(fn, repeats: int) -> float:
 
 def measure(engine: TargetEngine, sessions: int, length: int, gamma: int, repeats: int) -> tuple[float, ...]:
     """Median milliseconds of one round of every session: (batched, one at a time)."""
-    size = engine.info.vocabulary.size
     held = {f"L{length}-s{s}": length + 3 * s for s in range(sessions)}  # ragged cached lengths
-    for key, n in held.items():
-        engine.forward(key, 0, [(7 + 31 * i) % (size - 10) + 5 for i in range(n)], logits=False)
+    prompts = id_prompts(engine.info.vocabulary.size, sessions, max(held.values()))
+    for (key, n), prompt in zip(held.items(), prompts, strict=True):
+        engine.forward(key, 0, list(prompt[:n]), logits=False)
     rounds = [Forward(key, n, tuple(range(5, 6 + gamma))) for key, n in held.items()]
     try:
         batched = median_ms(lambda: engine.forward_many(rounds), repeats)
