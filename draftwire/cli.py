@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=32, help="tokens each generation commits")
     p.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
-    p.add_argument("--pipeline", type=int, default=0, help=PIPELINE_HELP)
+    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts, recorded once before the load")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

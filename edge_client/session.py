@@ -171,7 +171,7 @@ class EdgeSession:
                 if not verdicts.empty():
                     verdict = verdicts.get_nowait()
                 elif pending is not None:
-                    if pending.prefix[: len(sequence)] == sequence:
+                    if pending.builds_on(sequence):
                         pending.send(next(rounds))
                         stats.sent_ahead += bool(inflight)
                         stats.wire_bytes += pending.message.ByteSize()
@@ -289,6 +289,10 @@ class _Sent:
     message: pb.EdgeMessage | None = None
     sent_at: float = 0.0
 
+    def builds_on(self, sequence: list[int]) -> bool:
+        """Whether it is still live: what it assumes agrees with the committed `sequence`."""
+        return self.prefix[: len(sequence)] == sequence
+
     def send(self, round_no: int) -> None:
         self.round, self.sent_at = round_no, time.perf_counter()
         self.message = pb.EdgeMessage(
@@ -322,7 +326,7 @@ class _Planner:
     def next(self, sequence: list[int], inflight: collections.deque[_Sent]) -> _Step | None:
         """The next thing to draft, or None to wait for a verdict. A proposal in flight is live while
         the committed sequence agrees with what it assumed; the next one builds on the last live one."""
-        live = [s for s in inflight if s.prefix[: len(sequence)] == sequence]
+        live = [s for s in inflight if s.builds_on(sequence)]
         if not live:
             gamma = self._gamma(len(sequence))
             return _Step(sequence, gamma, False) if gamma else None

@@ -178,11 +178,10 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
     ids = ",".join(map(str, prompts[10]))
     flags = ["--prompt-ids", ids, "--max-new-tokens", "20", "--ignore-eos"]
     sampled = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--seed", "77"]
-    for extra in ([], sampled, [*sampled, "--pipeline", "2"]):
-        spec = run_cli(
-            "generate", "--server", server.address, "--draft", str(test_pair.draft_q4_0), *flags, *extra
-        )
-        ref = run_cli("reference", "--target", str(test_pair.target_dir), *flags, *extra[:8])
+    for extra, ahead in (([], []), (sampled, []), (sampled, ["--pipeline", "2"])):
+        draft = ["--draft", str(test_pair.draft_q4_0)]
+        spec = run_cli("generate", "--server", server.address, *draft, *flags, *extra, *ahead)
+        ref = run_cli("reference", "--target", str(test_pair.target_dir), *flags, *extra)
         assert spec["token_ids"] == ref["token_ids"]
         assert len(spec["token_ids"]) == 20
         assert set(spec["stats"]) == {

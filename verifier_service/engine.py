@@ -242,10 +242,10 @@ class TargetEngine:
     def _run(self, live: list[tuple[Forward, _Cache]]) -> list[torch.Tensor | None]:
         # Each row: its session's new tokens, right-padded to the longest, at the session's own
         # positions; attention reads each session's cache where it lies (rows_attention).
-        width = max(len(f.token_ids) for f, _ in live)
+        widths = [len(f.token_ids) for f, _ in live]
+        width = max(widths)
         ids = torch.zeros(len(live), width, dtype=torch.long)
         positions = torch.zeros(len(live), width, dtype=torch.long)
-        widths = [len(f.token_ids) for f, _ in live]
         held = [c.length for _, c in live]
         for r, (f, c) in enumerate(live):
             ids[r, : widths[r]] = torch.tensor(f.token_ids)
