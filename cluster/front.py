@@ -12,17 +12,16 @@ import asyncio
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from cluster.pool import NoReplica, Pool
 from cluster.routing import State
+from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
-from verifier_service.servicer import ServerConfig
+from verifier_service.servicer import SERVICE, ServerConfig, add_health_and_reflection, bind_and_start
 
 log = logging.getLogger(__name__)
 
-SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 _SUMMED = (
     "active_sessions",
     "sessions_opened",
@@ -41,7 +40,7 @@ class Front:
         self.pool = pool
         self.config = config
         self.server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = None
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -49,9 +48,7 @@ class Front:
 
         Raises RuntimeError when the address cannot be bound.
         """
-        limit = self.config.max_message_bytes
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=wire.message_size_options(self.config.max_message_bytes))
         handlers = {
             # No (de)serializers: the Session stream and model info pass through as bytes.
             "Session": grpc.stream_stream_rpc_method_handler(self._session),
@@ -63,13 +60,8 @@ class Front:
             ),
         }
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
-        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((SERVICE, health_name, reflection.SERVICE_NAME), self.server)
-        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise RuntimeError(f"cannot bind {self.config.host}:{self.config.port}")
-        await self.server.start()
+        self._health = add_health_and_reflection(self.server)
+        port = await bind_and_start(self.server, self.config.host, self.config.port)
         self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
         return port
 

@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError
 from cluster.config import PoolConfig
 from cluster.replica import ReplicaInfo, VerifierReplica
 from cluster.routing import Autoscaler, RoutingTable, Slot, State
+from draftwire import wire
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class Pool:
             old = self._channels.pop(name, None)
             if old is not None:
                 self._spawn(old.close())
-            self._channels[name] = grpc.aio.insecure_channel(info.address, options=self._channel_options())
+            self._channels[name] = wire.insecure_channel(info.address, self.config.front.max_message_bytes)
         self.info[name] = info
         if slot.state is State.DRAINING:
             slot.address = info.address
@@ -251,10 +252,6 @@ class Pool:
                     self.scale_to(wanted)
                 except Exception:  # keep looking: the next interval tries again
                     log.exception("scaling to %d replicas failed", wanted)
-
-    def _channel_options(self) -> list[tuple[str, int]]:
-        limit = self.config.front.max_message_bytes
-        return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
     def _notify(self) -> None:
         self._changed.set()

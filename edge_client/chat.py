@@ -11,8 +11,8 @@ from typing import TextIO
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from draftwire.contract import SamplingParams
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
-from verifier_service.rules import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class ChatConfig:
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     pipeline: int = 0  # proposals sent ahead of their verdicts
+    ignore_eos: bool = False  # reply until max_new_tokens whatever the target says
 
 
 def render_chat(template: str, messages: list[dict[str, str]], bos: str, eos: str) -> str:
@@ -46,11 +47,16 @@ async def reply(
     drafter = session.drafter
     prompt = chat_prompt(info, drafter, messages)
     request = GenerationRequest(
-        tuple(prompt), config.sampling, config.max_new_tokens, config.gamma, pipeline=config.pipeline
+        tuple(prompt),
+        config.sampling,
+        config.max_new_tokens,
+        config.gamma,
+        ignore_eos=config.ignore_eos,
+        pipeline=config.pipeline,
     )
     stats = GenerationStats()
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    eos_ids = set(info.special_tokens.eos_token_ids)
+    eos_ids = set(info.target.eos_token_ids)
     parts = []
     async for tokens in session.generate(request, stats):
         piece = decoder.decode(drafter.detokenize([t for t in tokens if t not in eos_ids]))
@@ -65,12 +71,12 @@ async def reply(
 def chat_prompt(info, drafter, messages: list[dict[str, str]]) -> list[int]:
     """The prompt ids of the conversation: the target's chat template when it has one (carried by
     ModelInfo), else the last message as a plain completion prompt."""
-    if not info.chat_template:
+    target = info.target
+    if not target.chat_template:
         return drafter.tokenize(messages[-1]["content"])
-    special = info.special_tokens
-    bos = _piece(drafter, special.bos_token_id if special.HasField("bos_token_id") else None)
-    eos = _piece(drafter, special.eos_token_ids[0] if special.eos_token_ids else None)
-    text = render_chat(info.chat_template, messages, bos, eos)
+    bos = _piece(drafter, target.bos_token_id)
+    eos = _piece(drafter, target.eos_token_ids[0] if target.eos_token_ids else None)
+    text = render_chat(target.chat_template, messages, bos, eos)
     return drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
@@ -91,8 +97,8 @@ async def chat(
 ) -> None:
     """The chat loop; `once` answers that one message and returns. Ends on EOF or an empty line."""
     info = await session.model_info()
-    mode = "chat template" if info.chat_template else "plain completion"
-    out.write(f"draftwire chat with {info.target_id} ({mode}); an empty line or Ctrl-D ends.\n")
+    mode = "chat template" if info.target.chat_template else "plain completion"
+    out.write(f"draftwire chat with {info.target.target_id} ({mode}); an empty line or Ctrl-D ends.\n")
     messages: list[dict[str, str]] = []
     while True:
         if once is not None:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from llama_cpp import Llama
 
+from draftwire.contract import SamplingParams
+from draftwire.rules import choose_tokens
 from draftwire.vocab import Vocabulary, vocabulary_of
-from verifier_service.rules import SamplingParams, choose_tokens
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,7 @@ class LlamaDrafter:
         self._sync(committed)
         draft: list[int] = []
         for i in range(gamma):
-            logits = torch.from_numpy(self._last_logits())[None]
-            token = int(choose_tokens(logits, len(committed) + i, params)[0])
+            token = int(choose_tokens(self._last_logits()[None], len(committed) + i, params)[0])
             draft.append(token)
             if i == gamma - 1 or token in stop_token_ids:
                 break

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Sequence
 
+from draftwire.contract import SamplingParams
 from draftwire.vocab import Vocabulary
-from verifier_service.rules import SamplingParams
 
 
 class ReplayDrafter:

@@ -8,15 +8,15 @@ import grpc
 import pytest
 from llama_cpp import Llama
 
-from draftwire.modelkit import llama_cpp_source_dir
+from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import vocabulary_of
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
+from tools.models.kit import llama_cpp_source_dir
 from verifier_service.engine import TargetEngine
-from verifier_service.rules import SamplingParams
-from verifier_service.session import SessionSpec, reference_decode
+from verifier_service.session import reference_decode
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -270,7 +270,7 @@ def test_committed_tokens_survive_a_refused_proposal_and_resume(server, info, dr
             request = GenerationRequest(
                 tuple(PROMPT), max_new_tokens=40, gamma=3, ignore_eos=True, pipeline=2
             )
-            async for _ in session.generate(request, committed=committed):
+            async for _ in session.generate(request, generated=committed):
                 pass
             return before_resume, committed
 

@@ -2,8 +2,8 @@
 
 import json
 
-from draftwire.bench import batching
-from draftwire.bench import engine as engine_bench
+from tools.bench import batching
+from tools.bench import engine as engine_bench
 
 
 def test_batching_benchmark_runs_and_stays_exact(test_pair, tmp_path, capsys):

@@ -3,8 +3,8 @@
 import json
 import subprocess
 
-from draftwire.bench.speed import expected_tokens_per_round
-from draftwire.serverproc import DRAFTWIRE
+from tools.bench.speed import expected_tokens_per_round
+from tools.testkit.serverproc import DRAFTWIRE
 
 
 def test_expected_tokens_per_round():

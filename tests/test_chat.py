@@ -10,10 +10,10 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from draftwire.serverproc import DRAFTWIRE, ServerProcess
 from edge_client.chat import ChatConfig, chat, chat_prompt, render_chat, reply
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession
+from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
 
 TEMPLATE = (
     "{% for m in messages %}{{ bos_token }}{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -68,7 +68,7 @@ def test_chat_over_the_wire_uses_the_targets_template(templated_target, drafter)
         info, transcript = asyncio.run(run())
     finally:
         server.stop()
-    assert info.chat_template == TEMPLATE
+    assert info.target.chat_template == TEMPLATE
     assert chat_prompt(info, drafter, MESSAGES) == list(expected_ids)
     assert "(chat template)" in transcript
     assert "draftwire> " in transcript and "tokens/s]" in transcript

@@ -21,6 +21,7 @@ from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
 from cluster.front import Front
 from cluster.pool import Pool
 from cluster.routing import State
+from draftwire.contract import SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
@@ -28,7 +29,7 @@ from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig
-from verifier_service.session import SessionSpec, VerifierLimits, reference_decode
+from verifier_service.session import VerifierLimits, reference_decode
 
 ray = pytest.importorskip("ray")
 

@@ -18,10 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from draftwire.contract import SessionSpec
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from verifier_service.engine import TargetEngine
-from verifier_service.session import SessionSpec, reference_decode
+from verifier_service.session import reference_decode
 
 job_submission = pytest.importorskip("ray.job_submission")
 

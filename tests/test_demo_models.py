@@ -8,11 +8,11 @@ import torch
 from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftwire.demo import DEMO_DRAFT
-from draftwire.demopair.build import DEFAULT_OUT, PairFiles
-from draftwire.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agreement, target_argmax_and_loss
-from draftwire.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
-from draftwire.serverproc import DRAFTWIRE
+from tools.demo import DEMO_DRAFT
+from tools.models.demopair.build import DEFAULT_OUT, PairFiles
+from tools.models.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agreement, target_argmax_and_loss
+from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
+from tools.testkit.serverproc import DRAFTWIRE
 
 FILES = PairFiles(DEFAULT_OUT)
 
@@ -113,9 +113,9 @@ def test_greedy_speculation_with_the_demo_pair_equals_transformers(tokenizer):
 
     import grpc
 
-    from draftwire.serverproc import ServerProcess
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from edge_client.session import EdgeSession, GenerationRequest
+    from tools.testkit.serverproc import ServerProcess
 
     prompts = [w[:40] for w in heldout_windows(tokenizer, 4)]
     target = AutoModelForCausalLM.from_pretrained(FILES.target, dtype=torch.float32).eval()

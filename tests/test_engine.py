@@ -21,7 +21,7 @@ def test_cache_grows_and_cuts_back_like_no_cache(test_pair):
     engine = TargetEngine.load(test_pair.target_dir)
     model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
     sequence = list(range(5, 45))
-    engine.forward("s", 0, sequence[:-1], logits=False)
+    engine.forward("s", 0, sequence[:-1], wants_logits=False)
     for step in range(14):  # each round: 5 new positions, 2 of them rejected and cut next time
         new = [(7 * step + i) % 200 + 3 for i in range(4)]
         logits = engine.forward("s", len(sequence) - 1, [sequence[-1], *new])
@@ -40,10 +40,10 @@ def test_a_batch_equals_its_sessions_one_at_a_time(test_pair):
     passes = []
     batched.model.register_forward_hook(lambda *_: passes.append(1))
     prompts = {f"s{i}": list(range(3 + i, 3 + i + 10 + 9 * i)) for i in range(5)}
-    batched.forward_many([Forward(key, 0, tuple(ids), logits=False) for key, ids in prompts.items()])
+    batched.forward_many([Forward(key, 0, tuple(ids), wants_logits=False) for key, ids in prompts.items()])
     assert len(passes) == 1
     for key, ids in prompts.items():
-        alone.forward(key, 0, ids, logits=False)
+        alone.forward(key, 0, ids, wants_logits=False)
     prompts["fresh"] = []  # its first round runs on an empty cache
     for round_no in range(3):
         forwards = [
@@ -73,7 +73,9 @@ def test_a_sliding_window_target_sees_only_its_window(test_pair, tmp_path):
     engine = TargetEngine.load(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     sequences = {"a": list(range(5, 25)), "b": list(range(40, 51))}
-    engine.forward_many([Forward(key, 0, tuple(ids[:-1]), logits=False) for key, ids in sequences.items()])
+    engine.forward_many(
+        [Forward(key, 0, tuple(ids[:-1]), wants_logits=False) for key, ids in sequences.items()]
+    )
     for step in range(3):
         new = {key: [(13 * step + i) % 97 + 3 for i in range(4)] for key in sequences}
         forwards = [Forward(key, len(ids) - 1, (ids[-1], *new[key])) for key, ids in sequences.items()]
@@ -89,7 +91,9 @@ def test_a_failed_batch_leaves_every_cache_as_it_was(test_pair):
     engine = TargetEngine.load(test_pair.target_dir)
     model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
     sequences = {"a": list(range(5, 20)), "b": list(range(30, 38))}
-    engine.forward_many([Forward(key, 0, tuple(ids[:-1]), logits=False) for key, ids in sequences.items()])
+    engine.forward_many(
+        [Forward(key, 0, tuple(ids[:-1]), wants_logits=False) for key, ids in sequences.items()]
+    )
     rounds = [Forward(key, len(ids) - 1, (ids[-1], 7, 8)) for key, ids in sequences.items()]
 
     def fail(*_):

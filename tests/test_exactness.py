@@ -15,15 +15,15 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftwire.modelkit import stdlib_texts
-from draftwire.serverproc import DRAFTWIRE
+from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
+from tools.models.kit import stdlib_texts
+from tools.testkit.serverproc import DRAFTWIRE
 from verifier_service.engine import TargetEngine
-from verifier_service.rules import SamplingParams
-from verifier_service.session import SessionSpec, reference_decode
+from verifier_service.session import reference_decode
 
 NEW_TOKENS = 24
 

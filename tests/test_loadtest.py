@@ -7,10 +7,10 @@ import subprocess
 import grpc
 import pytest
 
-from cluster.loadtest import report_text
-from draftwire.serverproc import DRAFTWIRE, ServerProcess
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from tools.loadtest import report_text
+from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
 
 pytest.importorskip("ray")
 

@@ -13,7 +13,7 @@ import torch
 from gguf import GGUFReader
 
 from draftwire import modelkit
-from draftwire.modelkit import TestPair, build_test_pair, stdlib_texts
+from tools.models.kit import TestPair, build_test_pair, stdlib_texts
 
 # Text the tokenizer never saw: build_test_pair trains on the first 400k characters of the same files.
 _HELD_OUT = "".join(stdlib_texts(8000, skip_chars=1_000_000))

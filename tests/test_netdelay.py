@@ -6,13 +6,14 @@ import time
 import grpc
 import pytest
 
-from draftwire.netdelay import DelayConfig, DelayProxy
+from draftwire.contract import SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from tools.testkit.netdelay import DelayConfig, DelayProxy
 from verifier_service.engine import TargetEngine
-from verifier_service.session import SessionSpec, reference_decode
+from verifier_service.session import reference_decode
 
 
 async def best_rtt_ms(address: str, n: int = 15) -> float:

@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from verifier_service.engine import Forward, TargetEngine
+from draftwire.contract import TargetInfo
+from verifier_service.engine import Forward
+
+
+class Engine(Protocol):
+    """What the batcher runs: `TargetEngine`, or a fake with deterministic logits in tests."""
+
+    info: TargetInfo
+
+    def forward_many(self, forwards: Sequence[Forward]) -> list[torch.Tensor | None]: ...
+
+    def release(self, key: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +47,7 @@ class BatchStats:
 
 
 class Batcher:
-    def __init__(self, engine: TargetEngine, config: BatchConfig = BatchConfig()):
+    def __init__(self, engine: Engine, config: BatchConfig = BatchConfig()):
         self.engine = engine
         self.config = config
         self.stats = BatchStats()
@@ -45,6 +58,10 @@ class Batcher:
         self._last_batch_s = 0.0
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+
+    @property
+    def info(self) -> TargetInfo:
+        return self.engine.info
 
     async def forward(self, forward: Forward) -> torch.Tensor | None:
         """The forward's logits, computed in some batch; raises what the engine raised."""
@@ -66,6 +83,14 @@ class Batcher:
     async def call(self, fn, *args):
         """Runs fn on the engine's thread, between batches."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Stops the worker and the engine's thread; releases still queued are carried out first."""
+        if self._worker is not None:
+            self._worker.cancel()
+        releases, self._releases = self._releases, []
+        self._executor.submit(self._run_batch, [], releases)
+        self._executor.shutdown(wait=True)
 
     def _kick(self) -> None:
         if self._worker is None:
@@ -89,7 +114,7 @@ class Batcher:
                 self._pending = [(f, fu) for f, fu in self._pending if id(fu) not in taken and not fu.done()]
                 releases, self._releases = self._releases, []
                 try:
-                    results = await self.call(self._step, [f for f, _ in batch], releases)
+                    results = await self.call(self._run_batch, [f for f, _ in batch], releases)
                 except Exception as e:  # the engine failed: every session in the batch hears it
                     for _, future in batch:
                         if not future.done():
@@ -113,7 +138,7 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _step(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
+    def _run_batch(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
         results = []
         if forwards:
             start = time.perf_counter()

@@ -17,18 +17,8 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
-from draftwire.vocab import Vocabulary, vocabulary_of
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    target_id: str  # model directory name
-    vocabulary: Vocabulary  # the tokenizer's ids and fingerprint
-    max_context: int  # longest sequence the model accepts
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int | None
-    chat_template: str  # Jinja, empty when the tokenizer has none
+from draftwire.contract import TargetInfo
+from draftwire.vocab import vocabulary_of
 
 
 @dataclass(frozen=True)
@@ -36,7 +26,7 @@ class Forward:
     key: str  # the session
     keep: int  # cached positions to keep; the rest is cut first
     token_ids: tuple[int, ...]  # new positions to run
-    logits: bool = True  # False skips the logits (prefill)
+    wants_logits: bool = True  # False skips the logits (prefill)
 
 
 class GrowingLayer:
@@ -200,13 +190,15 @@ class TargetEngine:
     def active_sessions(self) -> int:
         return len(self._caches)
 
-    def forward(self, key: str, keep: int, token_ids: list[int], logits: bool = True) -> torch.Tensor | None:
+    def forward(
+        self, key: str, keep: int, token_ids: list[int], wants_logits: bool = True
+    ) -> torch.Tensor | None:
         """Cuts session `key`'s cache to its first `keep` positions, runs `token_ids` after them and
         returns the logits of the new positions.  # [len(token_ids), vocab] float32 on CPU
 
         A new key starts an empty cache. Raises ValueError when keep exceeds the cached positions.
         """
-        return self.forward_many([Forward(key, keep, tuple(token_ids), logits)])[0]
+        return self.forward_many([Forward(key, keep, tuple(token_ids), wants_logits)])[0]
 
     @torch.inference_mode()
     def forward_many(self, forwards: Sequence[Forward]) -> list[torch.Tensor | None]:
@@ -223,11 +215,11 @@ class TargetEngine:
         # Prefills run with prefills and rounds with rounds: a long prefill in a batch of rounds would
         # pad every round to its length.
         for wants_logits in (False, True):
-            group = [(f, c) for f, c in live if f.logits == wants_logits]
+            group = [(f, c) for f, c in live if f.wants_logits == wants_logits]
             if group:
                 by_key.update(zip((f.key for f, _ in group), self._run(group), strict=True))
         empty = torch.empty(0, self.info.vocabulary.size)
-        return [by_key.get(f.key, empty) if f.logits else None for f in forwards]
+        return [by_key.get(f.key, empty) if f.wants_logits else None for f in forwards]
 
     def _cut(self, key: str, keep: int) -> _Cache:
         cache = self._caches.get(key)
@@ -258,7 +250,7 @@ class TargetEngine:
                 position_ids=positions.to(self.device),
                 past_key_values=_RowsCache([c.layers for _, c in live], widths),
                 use_cache=True,
-                logits_to_keep=0 if any(f.logits for f, _ in live) else 1,
+                logits_to_keep=0 if any(f.wants_logits for f, _ in live) else 1,
             )
         except BaseException:
             # A failure part-way leaves some layers appended: put every row back as it was.
@@ -268,7 +260,7 @@ class TargetEngine:
             raise
         vocab = self.info.vocabulary.size
         return [
-            out.logits[r, :n, :vocab].float().cpu() if f.logits else None
+            out.logits[r, :n, :vocab].float().cpu() if f.wants_logits else None
             for r, ((f, _), n) in enumerate(zip(live, widths, strict=True))
         ]
 

@@ -1,19 +1,31 @@
 """A verification session: checks each proposal against the target and commits the round's tokens.
 
-Knows the rules and the engine, not the transport: requests come in as dataclasses, contract
-violations go out as SessionError subclasses that the servicer maps to gRPC status codes.
+Knows the rules and the batcher, not the transport: requests come in as the contract's dataclasses,
+contract violations go out as SessionError subclasses that the servicer maps to gRPC status codes.
+`play` is the round, start to end; the servicer, the reference decoder and the tests all run it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from verifier_service.engine import Forward, TargetEngine
-from verifier_service.rules import Finish, InvalidSampling, SamplingParams, choose_tokens, commit_round
+from draftwire.contract import (
+    Finish,
+    InvalidSampling,
+    Proposal,
+    SessionSpec,
+    Verdict,
+    generation_budget,
+    stop_set,
+)
+from draftwire.rules import choose_tokens, commit_round
+from verifier_service.batcher import Batcher, Engine
+from verifier_service.engine import Forward
 
 
 class SessionError(Exception):
@@ -29,44 +41,12 @@ class WrongState(SessionError):
 
 
 @dataclass(frozen=True)
-class SessionSpec:
-    prompt_token_ids: tuple[int, ...]  # at least one id
-    sampling: SamplingParams = SamplingParams()
-    max_new_tokens: int = 0  # 0: until the context is full
-    stop_token_ids: tuple[int, ...] = ()  # finish with STOP when committed, besides EOS
-    ignore_eos: bool = False  # EOS does not finish the session
-    generated_token_ids: tuple[int, ...] = ()  # committed earlier; resuming re-prefills them
-    tokenizer_fingerprint: str = ""  # the edge's vocabulary; empty skips the check
-    vocab_size: int = 0  # the edge's vocabulary size, for the error message
-
-
-@dataclass(frozen=True)
-class Proposal:
-    round: int  # 1, 2, ... within the session
-    start_position: int  # committed length the draft started from
-    draft_token_ids: tuple[int, ...]  # [gamma]
-    assumed_token_ids: tuple[int, ...] = ()  # committed tokens the edge assumes right before start
-
-
-@dataclass(frozen=True)
-class Verdict:
-    round: int
-    start_position: int
-    accepted: int  # leading draft tokens committed
-    target_token_id: int | None  # correction or bonus; None when cut by a finish, or stale
-    finish: Finish | None  # set when the session is done
-    stale: bool  # start_position was not the committed length; nothing happened
-    committed_length: int
-    target_positions: int  # positions the target computed for this session, prefill included
-
-
-@dataclass(frozen=True)
 class Round:
     """A round between `begin` and `complete`: what the target computes for one proposal."""
 
     proposal: Proposal
     draft: tuple[int, ...]  # the draft tokens verified (those past the budget are dropped)
-    budget: int  # tokens this session may still commit
+    budget: int  # tokens this session may still generate
     forward: Forward  # the last committed token then the draft, on top of the session's cache
 
 
@@ -94,17 +74,22 @@ class VerifierStats:
 _keys = itertools.count(1)
 
 
-@dataclass
 class VerifierSession:
-    engine: TargetEngine
-    spec: SessionSpec
-    limits: VerifierLimits = VerifierLimits()
-    stats: VerifierStats = field(default_factory=VerifierStats)
-    key: str = field(default_factory=lambda: f"s{next(_keys)}")
+    """One session's committed tokens, rounds and KV cache (held by the batcher's engine under `key`)."""
 
-    def __post_init__(self) -> None:
-        """Validates the spec and prefills; raises InvalidRequest or WrongState."""
-        info, spec = self.engine.info, self.spec
+    def __init__(
+        self,
+        batcher: Batcher,
+        spec: SessionSpec,
+        limits: VerifierLimits = VerifierLimits(),
+        stats: VerifierStats | None = None,
+        key: str | None = None,
+    ):
+        """Validates the spec; raises InvalidRequest or WrongState. `open` also prefills."""
+        self.batcher, self.spec, self.limits = batcher, spec, limits
+        self.stats = stats if stats is not None else VerifierStats()
+        self.key = key or f"s{next(_keys)}"
+        info = batcher.info
         if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != info.vocabulary.fingerprint:
             raise WrongState(
                 f"vocabulary mismatch: the draft has {spec.vocab_size} tokens, fingerprint "
@@ -119,44 +104,65 @@ class VerifierSession:
             spec.sampling.validate()
         except InvalidSampling as e:
             raise InvalidRequest(str(e)) from None
-        self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]
-        room = info.max_context - len(spec.prompt_token_ids)
-        if spec.max_new_tokens > room:
+        prompt_length = len(spec.prompt_token_ids)
+        if spec.max_new_tokens > info.max_context - prompt_length:
             raise InvalidRequest(
-                f"prompt ({len(spec.prompt_token_ids)} tokens) plus max_new_tokens ({spec.max_new_tokens}) "
+                f"prompt ({prompt_length} tokens) plus max_new_tokens ({spec.max_new_tokens}) "
                 f"exceeds the target's context of {info.max_context}"
             )
-        self.max_new_tokens = spec.max_new_tokens or room
+        self.max_new_tokens = generation_budget(spec.max_new_tokens, info.max_context, prompt_length)
         if len(spec.generated_token_ids) >= self.max_new_tokens:
             raise InvalidRequest(
                 f"{len(spec.generated_token_ids)} tokens already generated: max_new_tokens "
                 f"({self.max_new_tokens}) leaves nothing to generate"
             )
-        stops = set(spec.stop_token_ids)
-        if not spec.ignore_eos:
-            stops.update(info.eos_token_ids)
-        self.stop_token_ids = frozenset(stops)
+        self.stop_token_ids = stop_set(spec.stop_token_ids, spec.ignore_eos, info.eos_token_ids)
+        self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.last_round = 0
         self.finish: Finish | None = None
         self.target_positions = 0
-        self.stats.sessions_opened += 1
 
-    def prefill(self) -> Forward:
-        """The forward that fills the cache with every committed position but the last."""
-        self.target_positions = len(self.committed) - 1
-        self.stats.prefill_positions += self.target_positions
-        return Forward(self.key, 0, tuple(self.committed[:-1]), logits=False)
+    @classmethod
+    async def open(cls, batcher: Batcher, spec: SessionSpec, *args, **kwargs) -> VerifierSession:
+        """A validated session whose cache holds every committed position but the last.
+
+        Raises InvalidRequest or WrongState before any work, and what the engine raises.
+        """
+        session = cls(batcher, spec, *args, **kwargs)
+        session.stats.sessions_opened += 1
+        batcher.join(session.key)
+        session.target_positions = len(session.committed) - 1
+        session.stats.prefill_positions += session.target_positions
+        try:
+            await batcher.forward(Forward(session.key, 0, tuple(session.committed[:-1]), wants_logits=False))
+        except BaseException:
+            session.close()
+            raise
+        return session
 
     @property
     def generated(self) -> list[int]:
         return self.committed[len(self.spec.prompt_token_ids) :]
 
-    def verify(self, proposal: Proposal) -> Verdict:
-        """Runs one round on the engine directly (no batching); raises what begin raises."""
+    async def play(self, proposal: Proposal) -> Verdict:
+        """One round, proposal to verdict:
+
+        1. check the proposal against the contract and the committed tokens (a stale one is
+           answered at once, without the target);
+        2. run the target over the last committed token and the draft, batched with whatever
+           other sessions' rounds are queued;
+        3. choose the target's token at every position, accept the draft's matching prefix,
+           commit it and the correction or bonus, cut at a stop or the budget;
+        4. on a finish, free the KV cache.
+        Raises InvalidRequest or WrongState (changing nothing), or what the engine raises.
+        """
         step = self.begin(proposal)
         if isinstance(step, Verdict):
             return step
-        return self.complete(step, self.engine.forward_many([step.forward])[0])
+        verdict = self.complete(step, await self.batcher.forward(step.forward))
+        if verdict.finish is not None:
+            self.close()
+        return verdict
 
     def begin(self, proposal: Proposal) -> Round | Verdict:
         """Checks a proposal and says what the target must compute for it, or answers a stale one at
@@ -204,7 +210,7 @@ class VerifierSession:
         logits  # [len(step.draft) + 1, vocab]
         """
         length = len(self.committed)
-        target = choose_tokens(logits, length, self.spec.sampling).tolist()
+        target = choose_tokens(logits.numpy(), length, self.spec.sampling).tolist()
         accepted, target_token, self.finish = commit_round(
             step.draft, target, self.stop_token_ids, step.budget
         )
@@ -217,8 +223,8 @@ class VerifierSession:
         return self._verdict(step.proposal, accepted, target_token)
 
     def close(self) -> None:
-        """Frees the session's KV cache; safe to call twice."""
-        self.engine.release(self.key)
+        """Frees the session's KV cache after its queued forwards; safe to call twice."""
+        self.batcher.release(self.key)
 
     def _verdict(self, proposal: Proposal, accepted: int, target_token: int | None, stale=False) -> Verdict:
         return Verdict(
@@ -233,22 +239,37 @@ class VerifierSession:
         )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        size = self.engine.info.vocabulary.size
+        size = self.batcher.info.vocabulary.size
         bad = next((t for t in ids if not 0 <= t < size), None)
         if bad is not None:
             raise InvalidRequest(f"{what} token id {bad} outside the vocabulary [0, {size})")
 
 
-def reference_decode(engine: TargetEngine, spec: SessionSpec) -> list[int]:
-    """The target alone, one token per forward through the same engine and rules: the oracle.
-
-    Returns the generated ids; raises what VerifierSession raises.
-    """
-    session = VerifierSession(engine, spec, VerifierLimits(min_gamma=0, max_gamma=0))
-    engine.forward_many([session.prefill()])
+async def decode_alone(batcher: Batcher, spec: SessionSpec) -> list[int]:
+    """The target alone, one token per round of no draft tokens, through the same batcher, engine and
+    rules as speculative sessions. Returns the generated ids; raises what VerifierSession raises."""
+    session = await VerifierSession.open(batcher, spec, VerifierLimits(min_gamma=0, max_gamma=0))
     try:
         while session.finish is None:
-            session.verify(Proposal(session.last_round + 1, len(session.committed), ()))
+            await session.play(Proposal(session.last_round + 1, len(session.committed), ()))
         return session.generated
     finally:
         session.close()
+
+
+def reference_decode(engine: Engine, spec: SessionSpec) -> list[int]:
+    """`decode_alone` on an event loop and a batcher of its own, for callers outside asyncio.
+
+    An invariance check, not an independent oracle: it shares the engine and the rules with the
+    verifier, so it shows that gamma, batching and pipelining do not change the output; the tests
+    compare greedy output with transformers' own `generate` for independence.
+    """
+
+    async def run() -> list[int]:
+        batcher = Batcher(engine)
+        try:
+            return await decode_alone(batcher, spec)
+        finally:
+            batcher.close()
+
+    return asyncio.run(run())

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftwire.demopair.corpus import (
+from tools.models.demopair.corpus import (
     CHAT_TEMPLATE,
     ROLE_TOKENS,
     chat_messages,
     chat_pairs,
     corpus_files,
 )
-from draftwire.demopair.train import (
+from tools.models.demopair.train import (
     Shape,
     TokenData,
     TrainConfig,
@@ -34,9 +34,9 @@ from draftwire.demopair.train import (
     target_continuations,
     train_target,
 )
-from draftwire.modelkit import export_gguf, quantize_gguf, train_bpe_tokenizer
+from tools.models.kit import export_gguf, quantize_gguf, train_bpe_tokenizer
 
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "models" / "demo"
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / "models" / "demo"
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ def build(out: Path, stages: tuple[str, ...] = STAGES, quick: bool = False) -> P
             built["machine"] = _machine()
             files.card_json.write_text(json.dumps(card, indent=2) + "\n")
     if "card" in stages:
-        from draftwire.demopair.card import write_card
+        from tools.models.demopair.card import write_card
 
         write_card(files, log, quick=quick)
     return files.root / "model_card.md"

@@ -4,7 +4,7 @@ Both arms run in one invocation on the same engine, prompts and proposals (repla
 target's own greedy continuation, a share of them corrupted), through a real gRPC server on loopback.
 Outputs must equal the target's continuation in both arms.
 
-    python -m draftwire.bench.batching --target DIR [--sessions 16] [--new-tokens 128] [--repeats 3] [--pool]
+    python -m tools.bench.batching --target DIR [--sessions 16] [--new-tokens 128] [--repeats 3] [--pool]
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from pathlib import Path
 
 import grpc
 
-from draftwire.bench.prompts import id_prompts
-from draftwire.serverproc import ServerProcess
+from draftwire.contract import SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
+from tools.bench.prompts import id_prompts
+from tools.testkit.serverproc import ServerProcess
+from verifier_service.batcher import Batcher
 from verifier_service.engine import TargetEngine
-from verifier_service.session import SessionSpec, reference_decode
+from verifier_service.session import decode_alone
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,12 @@ def summary(arm: Arm, waves: list[Wave]) -> dict:
 async def main_async(args) -> dict:
     engine = TargetEngine.load(args.target)
     prompts = id_prompts(engine.info.vocabulary.size, args.sessions, 24)
-    scripts = [
-        (p, reference_decode(engine, SessionSpec(p, max_new_tokens=args.new_tokens, ignore_eos=True)))
-        for p in prompts
-    ]
+    batcher = Batcher(engine)
+    try:
+        specs = [SessionSpec(p, max_new_tokens=args.new_tokens, ignore_eos=True) for p in prompts]
+        scripts = [(s.prompt_token_ids, await decode_alone(batcher, s)) for s in specs]
+    finally:
+        batcher.close()
     arms = [Arm("one session at a time", 1), Arm(f"batched (up to {args.max_batch})", args.max_batch)]
     # Both replicas run side by side, each in its own process as it would beside remote edges (the
     # clients' Python does not steal its interpreter); the arms take turns, so drift on this machine

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftwire.demopair.corpus import WINDOW, heldout_windows
-
 
 def id_prompts(vocab_size: int, count: int, length: int) -> list[tuple[int, ...]]:
     """`count` deterministic prompts of `length` ordinary ids (clear of the low special ids), different
@@ -19,6 +17,8 @@ def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[in
     """`count` prompts of `tokens` ids, in the target's tokenizer. Raises ValueError when the
     held-out files are too short for that many."""
     from transformers import AutoTokenizer
+
+    from tools.models.demopair.corpus import WINDOW, heldout_windows
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     windows = heldout_windows(tokenizer, count, max(tokens, WINDOW))

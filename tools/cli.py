@@ -12,7 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from verifier_service.rules import SamplingParams
+from draftwire import wire
+from draftwire.contract import SamplingParams
 
 PIPELINE = 0
 PIPELINE_HELP = "proposals sent ahead of their verdicts (hides round trips; 0: wait for each verdict)"
@@ -31,8 +32,8 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
+def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -40,6 +41,14 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="generate max-new-tokens whatever the target says"
     )
+
+
+def _add_speculation(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -59,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed)")
     p.add_argument("--max-gamma", type=int, default=16)
-    p.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-message-bytes", type=int, default=wire.MAX_MESSAGE_BYTES)
     p.add_argument("--max-batch", type=int, default=32, help="most sessions verified in one forward pass")
     p.add_argument(
         "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
@@ -93,15 +102,16 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
-    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
+    _add_speculation(p)
     _add_prompt(p)
     _add_sampling(p)
+    _add_json(p)
 
     p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
     p.add_argument("--target", type=Path, required=True)
     _add_prompt(p)
     _add_sampling(p)
+    _add_json(p)
 
     p = sub.add_parser("chat", help="terminal chat against a verifier")
     p.add_argument("--server", required=True)
@@ -148,13 +158,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _add_chat(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_speculation(p)
+    _add_sampling(p, max_new_tokens=128)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,8 +239,8 @@ def _serve_pool(args, server) -> int:
 
 
 def _loadtest(args) -> int:
-    from cluster.loadtest import LoadConfig, report_text, run_load
     from edge_client.session import VerifierError
+    from tools.loadtest import LoadConfig, report_text, run_load
 
     config = LoadConfig(
         sessions=args.sessions,
@@ -261,8 +266,7 @@ def _loadtest(args) -> int:
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    options = [("grpc.max_receive_message_length", 1 << 22), ("grpc.max_send_message_length", 1 << 22)]
-    return grpc.aio.insecure_channel(address, options=options)
+    return wire.insecure_channel(address)
 
 
 def _drafter(path: Path):
@@ -308,8 +312,10 @@ def _generate(args) -> int:
 def _reference(args) -> int:
     from transformers import AutoTokenizer
 
+    from draftwire.contract import SessionSpec
+    from edge_client.planner import GenerationStats
     from verifier_service.engine import TargetEngine
-    from verifier_service.session import SessionError, SessionSpec, reference_decode
+    from verifier_service.session import SessionError, reference_decode
 
     engine = TargetEngine.load(args.target)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -321,16 +327,11 @@ def _reference(args) -> int:
     except SessionError as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return 1
-    n = len(tokens)
-    stats = {
-        "rounds": n,
-        "draft_tokens": 0,
-        "accepted_tokens": 0,
-        "acceptance_rate": 0.0,
-        "tokens_per_round": 1.0 if n else 0.0,
-        "wall_s": time.perf_counter() - start,
-    }
-    _emit(args, tokens, tokenizer.decode(tokens, skip_special_tokens=True), stats)
+    # The same figures as `generate --json`: one round per token, nothing drafted.
+    stats = GenerationStats(
+        rounds=len(tokens), generated_tokens=len(tokens), wall_s=time.perf_counter() - start
+    )
+    _emit(args, tokens, tokenizer.decode(tokens, skip_special_tokens=True), stats.as_json())
     return 0
 
 
@@ -338,7 +339,11 @@ def _chat_config(args):
     from edge_client.chat import ChatConfig
 
     return ChatConfig(
-        gamma=args.gamma, max_new_tokens=args.max_new_tokens, sampling=_sampling(args), pipeline=args.pipeline
+        gamma=args.gamma,
+        max_new_tokens=args.max_new_tokens,
+        sampling=_sampling(args),
+        pipeline=args.pipeline,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -357,8 +362,8 @@ def _chat(args) -> int:
 
 
 def _bench(args) -> int:
-    from draftwire.bench.prompts import heldout_prompts
-    from draftwire.bench.speed import BenchConfig, run_all, write_outputs
+    from tools.bench.prompts import heldout_prompts
+    from tools.bench.speed import BenchConfig, run_all, write_outputs
 
     config = BenchConfig(
         target_dir=args.target,
@@ -379,7 +384,7 @@ def _bench(args) -> int:
 
 
 def _models(args) -> int:
-    from draftwire.demopair.build import DEFAULT_OUT, STAGES, build
+    from tools.models.demopair.build import DEFAULT_OUT, STAGES, build
 
     card = build(args.out or DEFAULT_OUT, tuple(args.stage or STAGES), quick=args.quick)
     print(f"draftwire: model pair built; card at {card}")
@@ -387,7 +392,7 @@ def _models(args) -> int:
 
 
 def _demo(args) -> int:
-    from draftwire.demo import run_demo
+    from tools.demo import run_demo
 
     return asyncio.run(run_demo(args.models, _chat_config(args), args.prompt))
 

@@ -19,15 +19,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from draftwire.netdelay import DelayConfig, DelayProxy
-from draftwire.serverproc import ServerProcess
+from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from tools.figures import percentile
+from tools.testkit.netdelay import DelayConfig, DelayProxy
+from tools.testkit.serverproc import ServerProcess
+from verifier_service.batcher import Batcher
 from verifier_service.engine import TargetEngine
-from verifier_service.rules import SamplingParams
-from verifier_service.session import SessionSpec, reference_decode
+from verifier_service.session import decode_alone
 
 
 @dataclass(frozen=True)
@@ -85,23 +87,18 @@ def expected_tokens_per_round(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _params(mode: str, config: BenchConfig, index: int) -> SamplingParams:
     if mode == "greedy":
         return SamplingParams()
     return SamplingParams(temperature=config.temperature, seed=config.seed + index)
 
 
-def run_target_alone(config: BenchConfig, engine: TargetEngine, mode: str) -> Row:
+async def run_target_alone(config: BenchConfig, batcher: Batcher, mode: str) -> Row:
     row = Row("a", "target alone (one token per forward)", mode)
     start = time.perf_counter()
     for i, prompt in enumerate(config.prompts):
         spec = SessionSpec(prompt, _params(mode, config, i), config.max_new_tokens, ignore_eos=True)
-        row.outputs.append(reference_decode(engine, spec))
+        row.outputs.append(await decode_alone(batcher, spec))
     row.wall_s = time.perf_counter() - start
     row.tokens = sum(map(len, row.outputs))
     row.tokens_per_round = row.target_positions_per_token = 1.0
@@ -176,7 +173,7 @@ async def run_draftwire(
     row.target_positions_per_token = (after.round_positions - before.round_positions) / row.tokens
     row.bytes_per_token = sum(s.wire_bytes for s in all_stats) / row.tokens
     round_ms = [1000 * t for s in all_stats for t in s.round_s]
-    row.round_ms_p50, row.round_ms_p99 = _percentile(round_ms, 0.5), _percentile(round_ms, 0.99)
+    row.round_ms_p50, row.round_ms_p99 = percentile(round_ms, 0.5), percentile(round_ms, 0.99)
     row.draft_ms_per_round = 1000 * sum(s.draft_s for s in all_stats) / rounds
     row.verify_ms_per_round = 1000 * (after.engine_seconds - before.engine_seconds) / rounds
     row.wire_ms_per_round = statistics.fmean(round_ms) - row.verify_ms_per_round
@@ -195,12 +192,15 @@ async def _route(host: str, port: int, rtt_ms: float):
 
 
 async def run_all(config: BenchConfig, log=print) -> dict:
-    engine = TargetEngine.load(config.target_dir)
+    batcher = Batcher(TargetEngine.load(config.target_dir))
     rows: list[Row] = []
     modes = ("greedy", "sampled")
-    for mode in modes:
-        log(f"(a) target alone, {mode}")
-        rows.append(run_target_alone(config, engine, mode))
+    try:
+        for mode in modes:
+            log(f"(a) target alone, {mode}")
+            rows.append(await run_target_alone(config, batcher, mode))
+    finally:
+        batcher.close()
     reference = {r.mode: r for r in rows}
     if config.draft_hf is not None:
         log("(b) transformers assisted generation, greedy")

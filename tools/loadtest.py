@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import statistics
 import time
 from dataclasses import dataclass
 
 import grpc
 
-from draftwire.bench.prompts import id_prompts
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
+from tools.bench.prompts import id_prompts
+from tools.figures import percentile
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ async def run_load(channel: grpc.aio.Channel, config: LoadConfig) -> dict:
         "tokens_per_s": totals["generated_tokens"] / wall,
         "rounds_per_s": totals["rounds"] / wall,
         "acceptance_rate": totals["accepted_tokens"] / max(1, totals["draft_tokens"]),
-        "p50_round_ms": statistics.median(ms) if ms else None,
-        "p99_round_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+        "p50_round_ms": percentile(ms, 0.5),
+        "p99_round_ms": percentile(ms, 0.99),
         "errors": dict(errors),
         "mismatches": totals["mismatches"],
         "resumes": totals["resumes"],

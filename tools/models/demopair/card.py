@@ -13,7 +13,7 @@ import torch
 from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftwire.demopair.corpus import WINDOW, corpus_files, heldout_windows
+from tools.models.demopair.corpus import WINDOW, corpus_files, heldout_windows
 
 GGUF_KINDS = ("f16", "q8_0", "q4_0")
 STALENESS_POSITIONS = 512  # the card's agreement over the first windows, which a test recomputes
@@ -57,10 +57,10 @@ async def speculative_run(
     target_dir: Path, draft: Path, prompts: list[list[int]], temperature: float
 ) -> dict:
     """The project's own server and client on loopback at gamma 4: acceptance and repetition."""
+    from draftwire.contract import SamplingParams
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from edge_client.session import EdgeSession, GenerationRequest
     from verifier_service.engine import TargetEngine
-    from verifier_service.rules import SamplingParams
     from verifier_service.servicer import ServerConfig, start_server
 
     server, port = await start_server(TargetEngine.load(target_dir), ServerConfig(port=0))
@@ -90,7 +90,7 @@ async def speculative_run(
 
 
 def measure(root: Path, quick: bool = False) -> dict:
-    from draftwire.demopair.build import PairFiles
+    from tools.models.demopair.build import PairFiles
 
     files = PairFiles(root)
     tokenizer = AutoTokenizer.from_pretrained(files.target)

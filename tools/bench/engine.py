@@ -1,7 +1,7 @@
 """Benchmark: the target engine alone, N sessions' rounds in one `forward_many` against one at a time,
 at several cached lengths (no gRPC, no rules: what batching saves inside the engine).
 
-    python -m draftwire.bench.engine --target DIR [--sessions 16] [--lengths 40,120,400] [--gamma 4]
+    python -m tools.bench.engine --target DIR [--sessions 16] [--lengths 40,120,400] [--gamma 4]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from draftwire.bench.prompts import id_prompts
+from tools.bench.prompts import id_prompts
 from verifier_service.engine import Forward, TargetEngine
 
 
@@ -31,7 +31,7 @@ def measure(engine: TargetEngine, sessions: int, length: int, gamma: int, repeat
     held = {f"L{length}-s{s}": length + 3 * s for s in range(sessions)}  # ragged cached lengths
     prompts = id_prompts(engine.info.vocabulary.size, sessions, max(held.values()))
     for (key, n), prompt in zip(held.items(), prompts, strict=True):
-        engine.forward(key, 0, list(prompt[:n]), logits=False)
+        engine.forward(key, 0, list(prompt[:n]), wants_logits=False)
     rounds = [Forward(key, n, tuple(range(5, 6 + gamma))) for key, n in held.items()]
     try:
         batched = median_ms(lambda: engine.forward_many(rounds), repeats)

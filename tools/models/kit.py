@@ -147,7 +147,7 @@ def llama_cpp_source_dir() -> Path:
 
     Raises FileNotFoundError if it (or the llama.cpp converter inside it) is missing.
     """
-    source = Path(__file__).resolve().parent.parent / "third_party" / "llama-cpp-python"
+    source = Path(__file__).resolve().parents[2] / "third_party" / "llama-cpp-python"
     if not (source / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
         raise FileNotFoundError(
             f"llama.cpp's converter is missing under {source}; run `bash install.sh` from the repository root"

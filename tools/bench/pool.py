@@ -2,10 +2,10 @@
 
 One invocation, one target, the same proposals: `draftwire serve` and `draftwire serve --ray
 --replicas 1` run side by side as child processes; sessions run one at a time, alternating between
-the two, with replayed drafts (cluster.loadtest), and both must commit the same tokens. Then the raw
+the two, with replayed drafts (tools.loadtest), and both must commit the same tokens. Then the raw
 transports: a grpc.aio bidirectional-stream round trip on loopback and a Ray actor call.
 
-    python -m cluster.bench --target DIR [--generations 24] [--new-tokens 32] [--json FILE]
+    python -m tools.bench.pool --target DIR [--generations 24] [--new-tokens 32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import grpc
 
-from cluster.loadtest import LoadConfig, record
-from draftwire.serverproc import ServerProcess
 from draftwire.v1 import draftwire_pb2 as pb
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
+from tools.loadtest import LoadConfig, record
+from tools.testkit.serverproc import ServerProcess
 
 SERVICE = "draftwire.v1.Verifier"
 

@@ -1,0 +1,126 @@
+"""The boundary dataclasses that edge and verifier share: what a session asks, proposes and is told.
+
+Words used everywhere (code, proto, README, metrics):
+  committed  the session's sequence for good: the prompt, then every generated token.
+  generated  the committed tokens after the prompt: accepted draft tokens and target tokens.
+  round      one proposal and its verdict.
+  proposal   gamma draft tokens for consecutive positions.
+  verdict    the verifier's answer: accepted draft tokens, then a correction (a draft token was
+             rejected) or a bonus (all were accepted); or `stale`, when the proposal built on tokens
+             that were not committed, and nothing was verified.
+
+No protobuf, grpc, torch or I/O here: `draftwire.wire` converts to and from the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import Enum
+
+from draftwire.vocab import Vocabulary
+
+
+class InvalidSampling(ValueError):
+    """Sampling parameters outside their domain."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 is greedy; otherwise logits are divided by it
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    top_p: float = 1.0  # keep the smallest most-likely set whose probability reaches top_p; (0, 1]
+    seed: int = 0  # key of the sampling noise, an unsigned 64-bit integer
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        """Returns self; raises InvalidSampling naming the first field out of its domain."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidSampling(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidSampling(f"top_k must be >= 0, got {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidSampling(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+        return self
+
+
+class Finish(Enum):
+    STOP = "stop"  # an end-of-sequence or stop token was committed
+    LENGTH = "length"  # the token budget is spent
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What an edge opens a session with."""
+
+    prompt_token_ids: tuple[int, ...]  # at least one id
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 0  # 0: until the context is full
+    stop_token_ids: tuple[int, ...] = ()  # finish with STOP when committed, besides EOS
+    ignore_eos: bool = False  # EOS does not finish the session
+    generated_token_ids: tuple[int, ...] = ()  # generated earlier; resuming re-prefills them
+    tokenizer_fingerprint: str = ""  # the edge's vocabulary; empty skips the check
+    vocab_size: int = 0  # the edge's vocabulary size, for the error message
+
+
+@dataclass(frozen=True)
+class Proposal:
+    round: int  # 1, 2, ... within the session
+    start_position: int  # committed length the draft started from
+    draft_token_ids: tuple[int, ...]  # [gamma]
+    assumed_token_ids: tuple[int, ...] = ()  # committed tokens the edge assumes right before start
+
+
+@dataclass(frozen=True)
+class Verdict:
+    round: int
+    start_position: int
+    accepted: int  # leading draft tokens committed
+    target_token_id: int | None  # correction or bonus; None when cut by a finish, or stale
+    finish: Finish | None  # set when the session is done
+    stale: bool  # the proposal built on tokens that were not committed; nothing happened
+    committed_length: int
+    target_positions: int  # positions the target computed for this session, prefill included
+
+    @property
+    def committed_token_ids(self) -> tuple[int, ...]:
+        """What the verdict adds after the proposal's accepted draft tokens (the target's token)."""
+        return () if self.target_token_id is None else (self.target_token_id,)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the verifier's target is: read from its tokenizer and config."""
+
+    target_id: str  # model directory name or configured id
+    vocabulary: Vocabulary  # the tokenizer's ids and fingerprint
+    max_context: int  # longest committed sequence the model accepts
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    chat_template: str  # Jinja, empty when the tokenizer has none
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a verifier tells edges: its target and its limits."""
+
+    target: TargetInfo
+    max_gamma: int  # most draft tokens one proposal may carry
+    max_message_bytes: int  # largest message the verifier receives
+
+
+def stop_set(stop_token_ids: Collection[int], ignore_eos: bool, eos_token_ids: Collection[int]) -> frozenset:
+    """The ids whose commitment finishes a session: the extra stop ids, and EOS unless ignored."""
+    return frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(eos_token_ids))
+
+
+def generation_budget(max_new_tokens: int, max_context: int, prompt_length: int) -> int:
+    """How many tokens a session may generate: max_new_tokens, or (0) until the context is full."""
+    return max_new_tokens or max_context - prompt_length

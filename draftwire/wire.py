@@ -1,0 +1,141 @@
+"""The wire: protobuf messages of draftwire.v1 to and from the contract's dataclasses, and channel options.
+
+Both sides translate here and nowhere else, so no protobuf message reaches the edge's planner or the
+verifier's session.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from draftwire.contract import Finish, ModelInfo, Proposal, SamplingParams, SessionSpec, TargetInfo, Verdict
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.vocab import Vocabulary
+
+# The largest message either side receives by default: a prompt of ~250k ids, or a chat template.
+MAX_MESSAGE_BYTES = 1 << 20
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    Finish.STOP: pb.FINISH_REASON_STOP,
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+}
+_FINISH_BACK = {v: k for k, v in _FINISH.items()}
+
+
+def message_size_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC options bounding the messages a server or channel sends and receives."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def insecure_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An asyncio channel to a verifier (or a pool's front) at host:port."""
+    return grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
+
+
+def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0, seed=s.seed
+    )
+
+
+def spec_to_proto(spec: SessionSpec) -> pb.OpenSession:
+    return pb.OpenSession(
+        prompt_token_ids=spec.prompt_token_ids,
+        sampling=sampling_to_proto(spec.sampling),
+        stop=pb.StopConditions(
+            max_new_tokens=spec.max_new_tokens, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos
+        ),
+        tokenizer_fingerprint=spec.tokenizer_fingerprint,
+        vocab_size=spec.vocab_size,
+        generated_token_ids=spec.generated_token_ids,
+    )
+
+
+def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
+    return SessionSpec(
+        prompt_token_ids=tuple(m.prompt_token_ids),
+        sampling=sampling_from_proto(m.sampling),
+        max_new_tokens=m.stop.max_new_tokens,
+        stop_token_ids=tuple(m.stop.stop_token_ids),
+        ignore_eos=m.stop.ignore_eos,
+        generated_token_ids=tuple(m.generated_token_ids),
+        tokenizer_fingerprint=m.tokenizer_fingerprint,
+        vocab_size=m.vocab_size,
+    )
+
+
+def proposal_to_proto(p: Proposal) -> pb.Proposal:
+    return pb.Proposal(
+        round=p.round,
+        start_position=p.start_position,
+        draft_token_ids=p.draft_token_ids,
+        assumed_token_ids=p.assumed_token_ids,
+    )
+
+
+def proposal_from_proto(p: pb.Proposal) -> Proposal:
+    return Proposal(p.round, p.start_position, tuple(p.draft_token_ids), tuple(p.assumed_token_ids))
+
+
+def verdict_to_proto(v: Verdict) -> pb.Verdict:
+    return pb.Verdict(
+        round=v.round,
+        start_position=v.start_position,
+        accepted=v.accepted,
+        target_token_id=v.target_token_id,
+        finish_reason=_FINISH[v.finish],
+        stale=v.stale,
+        committed_length=v.committed_length,
+        target_positions=v.target_positions,
+    )
+
+
+def verdict_from_proto(v: pb.Verdict) -> Verdict:
+    return Verdict(
+        round=v.round,
+        start_position=v.start_position,
+        accepted=v.accepted,
+        target_token_id=v.target_token_id if v.HasField("target_token_id") else None,
+        finish=_FINISH_BACK[v.finish_reason],
+        stale=v.stale,
+        committed_length=v.committed_length,
+        target_positions=v.target_positions,
+    )
+
+
+def model_info_to_proto(m: ModelInfo) -> pb.ModelInfo:
+    t = m.target
+    return pb.ModelInfo(
+        target_id=t.target_id,
+        vocab_size=t.vocabulary.size,
+        tokenizer_fingerprint=t.vocabulary.fingerprint,
+        max_gamma=m.max_gamma,
+        max_context=t.max_context,
+        special_tokens=pb.SpecialTokens(
+            bos_token_id=t.bos_token_id, eos_token_ids=list(t.eos_token_ids), pad_token_id=t.pad_token_id
+        ),
+        chat_template=t.chat_template,
+        max_message_bytes=m.max_message_bytes,
+    )
+
+
+def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
+    special = m.special_tokens
+    target = TargetInfo(
+        target_id=m.target_id,
+        vocabulary=Vocabulary(size=m.vocab_size, fingerprint=m.tokenizer_fingerprint),
+        max_context=m.max_context,
+        bos_token_id=special.bos_token_id if special.HasField("bos_token_id") else None,
+        eos_token_ids=tuple(special.eos_token_ids),
+        pad_token_id=special.pad_token_id if special.HasField("pad_token_id") else None,
+        chat_template=m.chat_template,
+    )
+    return ModelInfo(target=target, max_gamma=m.max_gamma, max_message_bytes=m.max_message_bytes)

@@ -1,0 +1,213 @@
+"""The edge's planner: what to draft and send next, and what each verdict commits. Pure: no gRPC, no I/O.
+
+Without pipelining the planner drafts, sends, and waits for the verdict. With `pipeline = n`, up to n
+proposals leave ahead of their verdicts, each drafted on the assumption that the one before it is
+accepted whole and that the target's bonus token is the draft's own next choice (sent as the assumed
+token, so that the verifier can tell). While the assumptions hold, round trips and drafting overlap
+the verification; when one fails, the verifier answers the proposals built on it as stale, at no cost
+to the target, and the planner drafts again from what was committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from draftwire.contract import (
+    ModelInfo,
+    Proposal,
+    SamplingParams,
+    SessionSpec,
+    Verdict,
+    generation_budget,
+    stop_set,
+)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 64  # 0: until the target's context is full
+    gamma: int = 4  # draft tokens per proposal
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    pipeline: int = 0  # proposals sent ahead of their verdicts; 0 waits for every verdict
+
+    def spec(self, generated: Sequence[int] = (), fingerprint: str = "", vocab_size: int = 0) -> SessionSpec:
+        """The session to open for this request, resuming after `generated` tokens."""
+        return SessionSpec(
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            generated_token_ids=tuple(generated),
+            tokenizer_fingerprint=fingerprint,
+            vocab_size=vocab_size,
+        )
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0  # verdicts that verified something
+    stale_rounds: int = 0  # pipelined proposals that came back stale
+    sent_ahead: int = 0  # proposals sent before the verdict of the one before them
+    draft_tokens: int = 0  # proposed in verified rounds
+    accepted_tokens: int = 0  # proposed and accepted
+    generated_tokens: int = 0  # committed by verdicts (accepted plus target tokens)
+    target_positions: int = 0  # the verifier's figure for this session, prefill included
+    wall_s: float = 0.0
+    draft_s: float = 0.0  # time spent drafting on the edge
+    round_s: list[float] = field(default_factory=list)  # send to verdict, per verified round
+    resumes: int = 0  # streams re-opened with the committed tokens after UNAVAILABLE
+    wire_bytes: int = 0  # serialized protobuf payload sent and received (no HTTP/2 framing)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    def as_json(self) -> dict:
+        """The figures `generate --json` and `reference --json` print."""
+        return {
+            "rounds": self.rounds,
+            "stale_rounds": self.stale_rounds,
+            "sent_ahead": self.sent_ahead,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_round": self.tokens_per_round,
+            "wall_s": self.wall_s,
+        }
+
+
+class BadVerdict(Exception):
+    """A verdict that does not answer the proposal it should: a fault of the verifier."""
+
+
+@dataclass
+class InFlight:
+    """A drafted proposal, then on the wire until its verdict."""
+
+    prefix: list[int]  # the committed sequence it builds on, assumed tokens included
+    assumed: list[int]  # the last tokens of prefix, not yet committed when it was drafted
+    draft: list[int]
+    final: bool  # its verdict may finish the session: nothing is drafted on top of it
+    round: int = 0  # set when sent
+
+    def builds_on(self, committed: Sequence[int]) -> bool:
+        """Whether it is still live: what it assumes agrees with the `committed` sequence."""
+        return self.prefix[: len(committed)] == list(committed)
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """What to draft next: `gamma` tokens after `base`; when `assumes`, the first of them is the guess
+    of the bonus token of the proposal before, sent as the assumed token, not as a draft token."""
+
+    base: list[int]
+    gamma: int
+    assumes: bool
+
+
+class Planner:
+    """One session's plan on the edge, fed verdicts by the transport."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        info: ModelInfo,
+        generated: Sequence[int] = (),
+        stats: GenerationStats | None = None,
+    ):
+        self.request = request
+        self.stats = stats if stats is not None else GenerationStats()
+        self.committed = [*request.prompt_token_ids, *generated]  # prompt + generated
+        self.stops = stop_set(request.stop_token_ids, request.ignore_eos, info.target.eos_token_ids)
+        self.budget = generation_budget(request.max_new_tokens, info.target.max_context, self._prompt_length)
+        self.max_gamma = info.max_gamma
+        self.in_flight: collections.deque[InFlight] = collections.deque()
+        self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
+        self.finished = False
+        self._blocked = -1  # a base length whose guess was a stop token: wait for verdicts there
+        self._rounds = itertools.count(1)
+
+    @property
+    def _prompt_length(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    def next_draft(self) -> DraftJob | None:
+        """What to draft next, or None to wait for a verdict. A proposal in flight is live while the
+        committed sequence agrees with what it assumed; the next one builds on the last live one."""
+        if self.drafted is not None or self.finished:
+            return None
+        live = [s for s in self.in_flight if s.builds_on(self.committed)]
+        if not live:
+            gamma = self._gamma(len(self.committed))
+            return DraftJob(list(self.committed), gamma, False) if gamma else None
+        last = live[-1]
+        base = [*last.prefix, *last.draft]
+        if len(live) > self.request.pipeline or last.final or self._blocked == len(base):
+            return None
+        gamma = self._gamma(len(base) + 1)
+        return DraftJob(base, gamma + 1, True) if gamma else None
+
+    def add_draft(self, job: DraftJob, tokens: list[int]) -> None:
+        """Takes the drafter's tokens for `job`; a guess that is a stop token is not sent (nothing
+        follows a stop), and the planner waits for verdicts at that base instead."""
+        assumed, draft = (tokens[:1], tokens[1:]) if job.assumes else ([], tokens)
+        if not draft or any(t in self.stops for t in assumed):
+            self._blocked = len(job.base)
+            return
+        prefix = [*job.base, *assumed]
+        self.drafted = InFlight(prefix, assumed, draft, self._final(prefix, draft))
+
+    def next_proposal(self) -> Proposal | None:
+        """The drafted proposal, numbered and counted in flight, if it still builds on the committed
+        sequence; a drafted proposal that a verdict refuted meanwhile is dropped."""
+        drafted, self.drafted = self.drafted, None
+        if drafted is None or not drafted.builds_on(self.committed):
+            return None
+        drafted.round = next(self._rounds)
+        self.stats.sent_ahead += bool(self.in_flight)
+        self.in_flight.append(drafted)
+        return Proposal(drafted.round, len(drafted.prefix), tuple(drafted.draft), tuple(drafted.assumed))
+
+    def apply(self, verdict: Verdict) -> list[int]:
+        """Commits the verdict of the oldest proposal in flight; returns the tokens it adds.
+
+        Raises BadVerdict when it answers another round.
+        """
+        if not self.in_flight:
+            raise BadVerdict(f"verdict for round {verdict.round} with no proposal in flight")
+        sent = self.in_flight.popleft()
+        if verdict.round != sent.round:
+            raise BadVerdict(f"verdict for round {verdict.round}, expected round {sent.round}")
+        if verdict.stale:
+            self.stats.stale_rounds += 1
+            return []
+        new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
+        self.committed += new
+        self.stats.rounds += 1
+        self.stats.draft_tokens += len(sent.draft)
+        self.stats.accepted_tokens += verdict.accepted
+        self.stats.generated_tokens += len(new)
+        self.stats.target_positions = verdict.target_positions
+        self.finished = verdict.finish is not None
+        return new
+
+    def _final(self, prefix: list[int], draft: list[int]) -> bool:
+        """Whether the proposal's verdict may finish the session (budget or a stop token)."""
+        generated = len(prefix) - self._prompt_length
+        return generated + len(draft) + 1 >= self.budget or any(t in self.stops for t in draft)
+
+    def _gamma(self, length: int) -> int:
+        left = self.budget - (length - self._prompt_length)
+        # The last round may propose more than the budget leaves: the verifier drops the excess.
+        return max(1, min(self.request.gamma, left - 1, self.max_gamma)) if left > 0 else 0

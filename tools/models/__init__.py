@@ -1,0 +1,1 @@
+"""Model pairs: the demo pair built from local data, real pretrained pairs fetched from installed packages."""

@@ -1,0 +1,156 @@
+"""Fakes for the in-process test tier: a target engine with deterministic logits, a verifier for the
+planner, and a drafter that is wrong where it is told to be. Nothing here loads a model or opens a socket.
+
+The fake target's greedy choice after a token t is `successor(t)`, so a test can say what the target
+writes; its logits are peaked there and spread elsewhere, so sampling has something to choose from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from draftwire.contract import (
+    Finish,
+    Proposal,
+    SamplingParams,
+    SessionSpec,
+    TargetInfo,
+    Verdict,
+    generation_budget,
+    stop_set,
+)
+from draftwire.rules import commit_round
+from draftwire.vocab import Vocabulary
+
+VOCAB = 64
+EOS = 1
+
+
+def successor(token: int, vocab: int = VOCAB) -> int:
+    """The fake target's greedy token after `token` (never EOS unless the test asks for it)."""
+    return (token * 7 + 3) % (vocab - 2) + 2
+
+
+def target_continuation(sequence: Sequence[int], count: int) -> list[int]:
+    """The fake target's greedy continuation of `sequence`."""
+    out, last = [], sequence[-1]
+    for _ in range(count):
+        last = successor(last)
+        out.append(last)
+    return out
+
+
+def fake_info(vocab: int = VOCAB, max_context: int = 256) -> TargetInfo:
+    return TargetInfo(
+        target_id="fake",
+        vocabulary=Vocabulary(size=vocab, fingerprint="fake"),
+        max_context=max_context,
+        bos_token_id=None,
+        eos_token_ids=(EOS,),
+        pad_token_id=None,
+        chat_template="",
+    )
+
+
+class FakeEngine:
+    """The verifier's engine contract (`forward_many`, `release`, `info`) over per-session lengths
+    instead of KV caches. Records every batch it runs."""
+
+    def __init__(self, info: TargetInfo | None = None):
+        import torch  # the engine's contract is torch logits; the edge's fakes below need no torch
+
+        self._torch = torch
+        self.info = info or fake_info()
+        self.held: dict[str, int] = {}  # positions each session's "cache" holds
+        self.batches: list[list] = []  # the forwards of each engine call, in order
+        self.released: list[str] = []
+        self.slow_s = 0.0  # each call takes at least this long, as a real forward would
+
+    def forward_many(self, forwards):
+        if self.slow_s:
+            import time
+
+            time.sleep(self.slow_s)
+        if len({f.key for f in forwards}) != len(forwards):
+            raise ValueError("one forward per session in a batch")
+        self.batches.append(list(forwards))
+        out = []
+        for f in forwards:
+            held = self.held.get(f.key, 0)
+            if f.keep > held:
+                raise ValueError(f"session {f.key} holds {held} positions, cannot keep {f.keep}")
+            self.held[f.key] = f.keep + len(f.token_ids)
+            out.append(self.logits(f.token_ids) if f.wants_logits else None)
+        return out
+
+    def logits(self, token_ids: Sequence[int]):
+        """# [len(token_ids), vocab]: row i peaks at successor(token_ids[i])."""
+        torch, vocab = self._torch, self.info.vocabulary.size
+        rows = torch.stack([torch.cos(torch.arange(vocab) * (t + 1) * 0.37) for t in token_ids])
+        rows[torch.arange(len(token_ids)), torch.tensor([successor(t, vocab) for t in token_ids])] += 4.0
+        return rows.float()
+
+    def release(self, key: str) -> None:
+        if self.held.pop(key, None) is not None:
+            self.released.append(key)
+
+
+@dataclass
+class FakeVerifier:
+    """A verifier for the planner's tests, in process and torch-free: the contract's staleness,
+    budget and stop rules over the fake target's greedy choices, with the real `commit_round`."""
+
+    spec: SessionSpec
+    max_context: int = 256
+    committed: list[int] = field(default_factory=list)
+    finish: Finish | None = None
+    last_round: int = 0
+
+    def __post_init__(self) -> None:
+        self.committed = [*self.spec.prompt_token_ids, *self.spec.generated_token_ids]
+        prompt = len(self.spec.prompt_token_ids)
+        self.budget = generation_budget(self.spec.max_new_tokens, self.max_context, prompt)
+        self.stops = stop_set(self.spec.stop_token_ids, self.spec.ignore_eos, (EOS,))
+
+    def answer(self, p: Proposal) -> Verdict:
+        assert p.round == self.last_round + 1, f"round {p.round} after {self.last_round}"
+        self.last_round = p.round
+        length = len(self.committed)
+        assumed = p.assumed_token_ids
+        stale = p.start_position != length or (assumed and tuple(self.committed[-len(assumed) :]) != assumed)
+        if stale:
+            return Verdict(p.round, p.start_position, 0, None, None, True, length, 0)
+        assert self.finish is None, "a live proposal after the finish"
+        left = self.budget - (length - len(self.spec.prompt_token_ids))
+        draft = list(p.draft_token_ids[: left - 1])
+        target = [successor(t) for t in [self.committed[-1], *draft]]
+        accepted, token, self.finish = commit_round(draft, target, self.stops, left)
+        self.committed += [*draft[:accepted], *([token] if token is not None else [])]
+        return Verdict(p.round, p.start_position, accepted, token, self.finish, False, len(self.committed), 0)
+
+
+@dataclass
+class MistakenDrafter:
+    """Drafts the fake target's greedy tokens, except at the absolute positions in `wrong`."""
+
+    wrong: Collection[int] = ()
+    vocabulary: Vocabulary = field(default_factory=lambda: fake_info().vocabulary)
+    executor = None
+    calls: int = 0
+
+    def propose(
+        self,
+        committed: Sequence[int],
+        gamma: int,
+        params: SamplingParams,
+        stop_token_ids: Collection[int] = (),
+    ) -> list[int]:
+        self.calls += 1
+        draft, last = [], committed[-1]
+        for position in range(len(committed), len(committed) + gamma):
+            last = successor(last)
+            draft.append((last + 1) % VOCAB if position in self.wrong else last)
+            if draft[-1] in stop_token_ids:
+                break
+        return draft
