@@ -9,9 +9,9 @@ from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools.demo import DEMO_DRAFT
-from tools.models.demopair.build import DEFAULT_OUT, PairFiles
 from tools.models.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agreement, target_argmax_and_loss
 from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
+from tools.models.demopair.files import DEFAULT_OUT, PairFiles
 from tools.testkit.serverproc import DRAFTWIRE
 
 FILES = PairFiles(DEFAULT_OUT)

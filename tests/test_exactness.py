@@ -1,7 +1,11 @@
 """Golden tests of whole generations: speculative output over real gRPC against the target alone.
 
-Greedy output is compared with transformers' own `generate`; seeded output with `reference`, and
-across gammas and drafts. The server is `draftwire serve` in a subprocess, the draft real llama.cpp.
+Greedy output is compared with transformers' own `generate`: an independent oracle. Seeded output is
+compared with `reference` (the target alone, one token per round, through our own engine and rules):
+that shows invariance, not independent correctness: gamma, the draft, pipelining and batching do not
+change a sampled output. That the keyed draws follow the target's distribution is shown separately,
+against transformers' own logits warpers (chi-square, below and in test_rules). The server is
+`draftwire serve` in a subprocess, the draft real llama.cpp.
 """
 
 import asyncio
@@ -121,6 +125,7 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
 
 
 def test_seeded_sampling_equals_reference_whatever_gamma_and_draft(server, drafters, prompts, engine):
+    """Invariance: the same seed gives the same output whatever gamma, draft and pipeline depth."""
     prompt = tuple(prompts[6])
     seeds = range(1000, 1020)
     for seed in seeds:

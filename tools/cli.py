@@ -384,7 +384,8 @@ def _bench(args) -> int:
 
 
 def _models(args) -> int:
-    from tools.models.demopair.build import DEFAULT_OUT, STAGES, build
+    from tools.models.demopair.build import STAGES, build
+    from tools.models.demopair.files import DEFAULT_OUT
 
     card = build(args.out or DEFAULT_OUT, tuple(args.stage or STAGES), quick=args.quick)
     print(f"draftwire: model pair built; card at {card}")

@@ -10,7 +10,7 @@ import grpc
 from edge_client.chat import ChatConfig, chat
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession
-from tools.models.demopair.build import DEFAULT_OUT, PairFiles
+from tools.models.demopair.files import DEFAULT_OUT, PairFiles
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig, start_server
 

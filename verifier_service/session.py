@@ -156,10 +156,10 @@ class VerifierSession:
         4. on a finish, free the KV cache.
         Raises InvalidRequest or WrongState (changing nothing), or what the engine raises.
         """
-        step = self.begin(proposal)
-        if isinstance(step, Verdict):
-            return step
-        verdict = self.complete(step, await self.batcher.forward(step.forward))
+        begun = self.begin(proposal)
+        if isinstance(begun, Verdict):
+            return begun
+        verdict = self.complete(begun, await self.batcher.forward(begun.forward))
         if verdict.finish is not None:
             self.close()
         return verdict
@@ -204,23 +204,23 @@ class VerifierSession:
         forward = Forward(self.key, length - 1, (self.committed[-1], *draft))
         return Round(proposal, draft, budget, forward)
 
-    def complete(self, step: Round, logits: torch.Tensor) -> Verdict:
+    def complete(self, begun: Round, logits: torch.Tensor) -> Verdict:
         """Applies the rules to the target's logits for a round begun with `begin`.
 
-        logits  # [len(step.draft) + 1, vocab]
+        logits  # [len(begun.draft) + 1, vocab]
         """
         length = len(self.committed)
         target = choose_tokens(logits.numpy(), length, self.spec.sampling).tolist()
         accepted, target_token, self.finish = commit_round(
-            step.draft, target, self.stop_token_ids, step.budget
+            begun.draft, target, self.stop_token_ids, begun.budget
         )
-        self.committed += [*step.draft[:accepted], *([target_token] if target_token is not None else [])]
-        positions = len(step.forward.token_ids)
+        self.committed += [*begun.draft[:accepted], *([target_token] if target_token is not None else [])]
+        positions = len(begun.forward.token_ids)
         self.target_positions += positions
         self.stats.rounds += 1
         self.stats.round_positions += positions
         self.stats.generated_tokens += len(self.committed) - length
-        return self._verdict(step.proposal, accepted, target_token)
+        return self._verdict(begun.proposal, accepted, target_token)
 
     def close(self) -> None:
         """Frees the session's KV cache after its queued forwards; safe to call twice."""

@@ -63,11 +63,13 @@ class VerifierServicer:
 
     def Session(self, request_iterator, context):
         """One generation session. The edge sends OpenSession first, then proposals; the verifier answers
-        with SessionOpened, then one verdict per proposal, in order. The session ends when a verdict
-        carries a finish reason (the verifier then closes the stream with OK), or when either side
-        cancels. A contract violation ends the stream with a status (INVALID_ARGUMENT,
-        FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED) whose message says what was wrong;
-        everything committed by earlier verdicts stays valid and can be resumed in a new session.
+        with SessionOpened, then one verdict per proposal, in order. A verdict with a finish reason ends
+        the generation and frees the session's KV cache; proposals the edge sent before it learned of
+        the finish are still answered (stale), and the verifier closes the stream with OK once the edge
+        half-closes. Either side may cancel at any time. A contract violation ends the stream with a
+        status (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED) whose message says what was
+        wrong, INTERNAL for a fault of the verifier; everything committed by earlier verdicts stays valid
+        and can be resumed in a new session (OpenSession.generated_token_ids).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -16,10 +16,11 @@ DRAFTWIRE = str(Path(sys.executable).parent / "draftwire")
 
 
 class ServerProcess:
-    def __init__(self, target: Path, *extra: str, timeout: float = 120):
-        """Starts the server; raises RuntimeError with its output when it does not come up."""
+    def __init__(self, target: Path, *extra: str, timeout: float = 120, executable: str = DRAFTWIRE):
+        """Starts `executable serve` (by default this environment's `draftwire`); raises RuntimeError
+        with its output when it does not come up."""
         self.proc = subprocess.Popen(
-            [DRAFTWIRE, "serve", "--target", str(target), "--port", "0", *extra],
+            [executable, "serve", "--target", str(target), "--port", "0", *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

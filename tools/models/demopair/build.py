@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tools.models.demopair.card import write_card
 from tools.models.demopair.corpus import (
     CHAT_TEMPLATE,
     ROLE_TOKENS,
@@ -24,6 +25,7 @@ from tools.models.demopair.corpus import (
     chat_pairs,
     corpus_files,
 )
+from tools.models.demopair.files import PairFiles
 from tools.models.demopair.train import (
     Shape,
     TokenData,
@@ -35,8 +37,6 @@ from tools.models.demopair.train import (
     train_target,
 )
 from tools.models.kit import export_gguf, quantize_gguf, train_bpe_tokenizer
-
-DEFAULT_OUT = Path(__file__).resolve().parents[3] / "models" / "demo"
 
 
 @dataclass(frozen=True)
@@ -64,26 +64,6 @@ QUICK = BuildConfig(
     generated_rows=8,
     generated_prompt=32,
 )
-
-
-@dataclass(frozen=True)
-class PairFiles:
-    root: Path
-
-    @property
-    def target(self) -> Path:
-        return self.root / "target"
-
-    @property
-    def draft_hf(self) -> Path:
-        return self.root / "draft"
-
-    def gguf(self, kind: str) -> Path:
-        return self.root / f"draft-{kind}.gguf"
-
-    @property
-    def card_json(self) -> Path:
-        return self.root / "card.json"
 
 
 @dataclass
@@ -222,7 +202,5 @@ def build(out: Path, stages: tuple[str, ...] = STAGES, quick: bool = False) -> P
             built["machine"] = _machine()
             files.card_json.write_text(json.dumps(card, indent=2) + "\n")
     if "card" in stages:
-        from tools.models.demopair.card import write_card
-
         write_card(files, log, quick=quick)
     return files.root / "model_card.md"

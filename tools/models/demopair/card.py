@@ -14,6 +14,7 @@ from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools.models.demopair.corpus import WINDOW, corpus_files, heldout_windows
+from tools.models.demopair.files import PairFiles
 
 GGUF_KINDS = ("f16", "q8_0", "q4_0")
 STALENESS_POSITIONS = 512  # the card's agreement over the first windows, which a test recomputes
@@ -90,7 +91,6 @@ async def speculative_run(
 
 
 def measure(root: Path, quick: bool = False) -> dict:
-    from tools.models.demopair.build import PairFiles
 
     files = PairFiles(root)
     tokenizer = AutoTokenizer.from_pretrained(files.target)

@@ -1,6 +1,6 @@
 """The edge's planner in process, against a fake verifier: pipelining, staleness, budget, resume.
 
-Torch-free: these run in the edge-only environment too.
+Torch-free: CI runs these in the edge-only environment too.
 """
 
 import collections
@@ -10,8 +10,6 @@ import pytest
 from draftwire.contract import ModelInfo
 from edge_client.planner import BadVerdict, GenerationRequest, Planner
 from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info, target_continuation
-
-pytestmark = pytest.mark.edge
 
 PROMPT = (5, 9, 12)
 INFO = ModelInfo(fake_info(), max_gamma=8, max_message_bytes=1 << 20)

@@ -1,0 +1,85 @@
+"""The house's floors, read from the source: imports run one way only, and the core stays pure.
+
+tools/                      CLI, demo, benches, load test, model building, test kits
+cluster/                    the Ray pool, above the verifier
+edge_client/  verifier_service/   side by side, never importing each other
+draftwire/                  the shared core (contract, rules, vocab) and the wire
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("draftwire", "edge_client", "verifier_service", "cluster", "tools")
+# What each floor may import of ours (besides itself).
+ALLOWED = {
+    "draftwire": set(),
+    "edge_client": {"draftwire"},
+    "verifier_service": {"draftwire"},
+    "cluster": {"draftwire", "verifier_service"},
+    "tools": {"draftwire", "edge_client", "verifier_service", "cluster"},
+}
+# Third-party packages a module must not import, even lazily.
+FORBIDDEN = {
+    "draftwire/contract.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
+    "draftwire/rules.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
+    "draftwire/vocab.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
+    "edge_client": {"torch", "transformers", "ray", "verifier_service", "cluster"},
+    "draftwire": {"torch", "transformers", "ray"},
+}
+
+
+def modules() -> dict[str, set[str]]:
+    """Each source file (relative path) -> the top-level names of every module it imports."""
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "v1" in path.parts:
+                continue
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module)
+            found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def dotted(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+@pytest.mark.parametrize("path, imports", sorted(modules().items()))
+def test_imports_run_down_the_floors(path, imports):
+    floor = path.split("/")[0]
+    ours = {name.split(".")[0] for name in imports} & set(PACKAGES)
+    assert ours <= ALLOWED[floor] | {floor}, (
+        f"{path} imports up or sideways: {ours - ALLOWED[floor] - {floor}}"
+    )
+    for scope, banned in FORBIDDEN.items():
+        if path == scope or path.startswith(scope + "/"):
+            bad = {name for name in imports if name.split(".")[0] in banned}
+            assert not bad, f"{path} must not import {bad}"
+
+
+def test_no_circle_of_imports():
+    graph = {dotted(p): {n for n in names if n.split(".")[0] in PACKAGES} for p, names in modules().items()}
+    graph = {m: {n for n in deps if n in graph} for m, deps in graph.items()}
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("import circle: " + " -> ".join([*path[path.index(m) :], m]))
+        if m in done:
+            return
+        path.append(m)
+        for n in graph[m]:
+            visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in graph:
+        visit(m)
