@@ -25,6 +25,7 @@ def test_bench_smoke(test_pair, tmp_path):
         "12",
     ]
     cmd += ["--max-new-tokens", "10", "--gammas", "1,3", "--rtts", "5", "--out", str(out)]
+    cmd += ["--two-device", "0:1"]  # the edge on core 0, the verifier and the target alone on core 1
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
@@ -37,6 +38,12 @@ def test_bench_smoke(test_pair, tmp_path):
         ("d", "sampled", 4),
     } <= arms
     assert all(report["exact"].values())
+    assert {r["label"] for r in report["rows"] if r["arm"] == "b"} == {
+        "transformers assisted generation",
+        "transformers prompt-lookup decoding",
+    }
+    drafted = [r for r in report["rows"] if r["arm"] in "cd"]
+    assert all(r["bound_tokens_per_s"] > 0 and r["share_of_bound"] > 0 for r in drafted)
     assert (out / "bench.png").stat().st_size > 10_000
     assert "every arm's output equals (a)'s" in (out / "bench.md").read_text()
     delayed = [r for r in report["rows"] if r["arm"] == "d"]

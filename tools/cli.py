@@ -26,6 +26,16 @@ def _ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
 
 
+def _rig(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    try:
+        edge, verifier = text.split(":")
+        return _ids(edge), _ids(verifier)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not EDGE_CPUS:VERIFIER_CPUS (e.g. 0:1 or 0,1:2,3): {text!r}"
+        ) from None
+
+
 def _add_prompt(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text, tokenized by this side's tokenizer")
@@ -135,6 +145,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
     p.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
+    p.add_argument(
+        "--two-device",
+        metavar="EDGE_CPUS:VERIFIER_CPUS",
+        type=_rig,
+        default=((), ()),
+        help="pin the edge and the verifier (and the target-alone arms) to separate cores, e.g. 0:1",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
     p = sub.add_parser("models", help="build the demo model pair from local data")
@@ -377,6 +394,8 @@ def _bench(args) -> int:
         pipelines=args.pipelines,
         draft_threads=args.draft_threads,
         verifier_threads=args.verifier_threads,
+        edge_cpus=args.two_device[0],
+        verifier_cpus=args.two_device[1],
     )
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
     print(write_outputs(report, args.out))

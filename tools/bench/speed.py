@@ -1,25 +1,27 @@
-"""`draftwire bench`: draftwire against the target alone and transformers' assisted generation, one run.
+"""`draftwire bench`: draftwire against the target alone and transformers' own speculation, one run.
 
 Arms, on the same prompts and models: (a) the target alone through our engine, one token per forward;
-(b) transformers' `generate(assistant_model=...)` with the draft's transformers form, greedy; (c)
-draftwire over loopback gRPC (a `draftwire serve` child process, the llama.cpp draft here) for a
-sweep of gamma, greedy and seeded sampling; (d) the same through a delaying proxy at several RTTs.
-(c) and (d) also run pipelined (proposals sent ahead of their verdicts) at each depth asked for.
+(b) transformers' `generate` with assisted generation (the draft's transformers form) and with
+prompt-lookup decoding, greedy; (c) draftwire over loopback gRPC (a `draftwire serve` child process,
+the llama.cpp draft in this process) for a sweep of gamma, greedy and seeded sampling; (d) the same
+through a delaying proxy at several RTTs. (c) and (d) also run pipelined (proposals sent ahead of their
+verdicts) at each depth asked for. The two-device rig (`edge_cpus`, `verifier_cpus`) pins this process,
+the edge, to some cores and the verifier and the arms (a) and (b) to others: a device and a server do
+not share cores.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
-import torch
 
-from draftwire.contract import SamplingParams, SessionSpec
+from draftwire.contract import SamplingParams
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
@@ -27,9 +29,6 @@ from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.figures import percentile
 from tools.testkit.netdelay import DelayConfig, DelayProxy
 from tools.testkit.serverproc import ServerProcess
-from verifier_service.batcher import Batcher
-from verifier_service.engine import TargetEngine
-from verifier_service.session import decode_alone
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,8 @@ class BenchConfig:
     # OpenMP workers that spin between calls take them from each other; on a device the draft has its own.
     draft_threads: int = 1
     verifier_threads: int = 0  # torch threads of the verifier process; 0: torch's choice
+    edge_cpus: tuple[int, ...] = ()  # cores of this process (drafter, edge session); () leaves it be
+    verifier_cpus: tuple[int, ...] = ()  # cores of the verifier and of arms (a), (b); one torch thread each
     temperature: float = 0.8  # the sampled mode; greedy always runs
     seed: int = 1234
 
@@ -73,6 +74,8 @@ class Row:
     wire_ms_per_round: float | None = None  # send-to-verdict time not spent verifying
     stale_per_round: float | None = None  # pipelined proposals that came back stale, per verified round
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
+    bound_tokens_per_s: float | None = None  # zero_overhead_bound
+    share_of_bound: float | None = None  # tokens/s over the bound
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -87,46 +90,21 @@ def expected_tokens_per_round(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
-def _params(mode: str, config: BenchConfig, index: int) -> SamplingParams:
+def params_for(mode: str, config: BenchConfig, index: int) -> SamplingParams:
+    """The sampling of prompt `index` in a mode: greedy, or seeded sampling with a seed per prompt."""
     if mode == "greedy":
         return SamplingParams()
     return SamplingParams(temperature=config.temperature, seed=config.seed + index)
 
 
-async def run_target_alone(config: BenchConfig, batcher: Batcher, mode: str) -> Row:
-    row = Row("a", "target alone (one token per forward)", mode)
-    start = time.perf_counter()
-    for i, prompt in enumerate(config.prompts):
-        spec = SessionSpec(prompt, _params(mode, config, i), config.max_new_tokens, ignore_eos=True)
-        row.outputs.append(await decode_alone(batcher, spec))
-    row.wall_s = time.perf_counter() - start
-    row.tokens = sum(map(len, row.outputs))
-    row.tokens_per_round = row.target_positions_per_token = 1.0
-    return row
-
-
-def run_assisted(config: BenchConfig) -> Row:
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(config.target_dir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(config.draft_hf, dtype=torch.float32).eval()
-    row = Row("b", "transformers assisted generation", "greedy")
-    start = time.perf_counter()
-    for prompt in config.prompts:
-        ids = torch.tensor([prompt])
-        out = target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            assistant_model=draft,
-            do_sample=False,
-            max_new_tokens=config.max_new_tokens,
-            min_new_tokens=config.max_new_tokens,
-            pad_token_id=target.config.pad_token_id,
-        )
-        row.outputs.append(out[0, len(prompt) :].tolist())
-    row.wall_s = time.perf_counter() - start
-    row.tokens = sum(map(len, row.outputs))
-    return row
+def zero_overhead_bound(row: Row) -> float | None:
+    """Tokens/s if a round cost only its drafting and its verification, as measured: one after the other
+    without pipelining, overlapped (the slower of the two) with it. No wire, no Python around them."""
+    if not row.tokens_per_round or row.draft_ms_per_round is None or row.verify_ms_per_round is None:
+        return None
+    draft, verify = row.draft_ms_per_round, row.verify_ms_per_round
+    round_ms = max(draft, verify) if row.pipeline else draft + verify
+    return 1000 * row.tokens_per_round / round_ms if round_ms > 0 else None
 
 
 async def run_draftwire(
@@ -154,7 +132,7 @@ async def run_draftwire(
             for i, prompt in enumerate(config.prompts):
                 request = GenerationRequest(
                     prompt,
-                    _params(mode, config, i),
+                    params_for(mode, config, i),
                     config.max_new_tokens,
                     gamma,
                     ignore_eos=True,
@@ -192,22 +170,17 @@ async def _route(host: str, port: int, rtt_ms: float):
 
 
 async def run_all(config: BenchConfig, log=print) -> dict:
-    batcher = Batcher(TargetEngine.load(config.target_dir))
-    rows: list[Row] = []
-    modes = ("greedy", "sampled")
-    try:
-        for mode in modes:
-            log(f"(a) target alone, {mode}")
-            rows.append(await run_target_alone(config, batcher, mode))
-    finally:
-        batcher.close()
-    reference = {r.mode: r for r in rows}
-    if config.draft_hf is not None:
-        log("(b) transformers assisted generation, greedy")
-        rows.append(run_assisted(config))
+    from tools.bench import target_arms
+
+    rows: list[Row] = target_arms.in_child(config, log)
+    reference = {r.mode: r for r in rows if r.arm == "a"}
+    modes = tuple(reference)
+    if config.edge_cpus:
+        os.sched_setaffinity(0, config.edge_cpus)  # before llama.cpp starts its threads, which inherit it
     drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
-    flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(config.verifier_threads)]
-    with ServerProcess(config.target_dir, *flags) as server:
+    threads = len(config.verifier_cpus) or config.verifier_threads
+    flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(threads)]
+    with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
         host, port = server.address.rsplit(":", 1)
         for mode in modes:
             for gamma in config.gammas:
@@ -230,6 +203,9 @@ async def run_all(config: BenchConfig, log=print) -> dict:
                         )
     for row in rows:
         row.speedup = row.tokens_per_s / reference[row.mode].tokens_per_s
+        row.bound_tokens_per_s = zero_overhead_bound(row)
+        if row.bound_tokens_per_s:
+            row.share_of_bound = row.tokens_per_s / row.bound_tokens_per_s
     exact = {
         f"{r.arm}/{r.mode}/g{r.gamma}/rtt{r.rtt_ms:g}/p{r.pipeline}": r.outputs == reference[r.mode].outputs
         for r in rows
@@ -249,10 +225,11 @@ async def run_all(config: BenchConfig, log=print) -> dict:
 
 def markdown(report: dict) -> str:
     head = (
-        "| arm | mode | γ | RTT ms | pipe | tok/s | × (a) | accept | tok/round | theory | target pos/tok "
-        "| B/tok | round p50 ms | p99 ms | draft ms | verify ms | wire ms | stale/round |"
+        "| arm | mode | γ | RTT ms | pipe | tok/s | × (a) | bound tok/s | of bound | accept | tok/round "
+        "| theory | target pos/tok | B/tok | round p50 ms | p99 ms | draft ms | verify ms | wire ms "
+        "| stale/round |"
     )
-    lines = [head, "|" + "---|" * 18]
+    lines = [head, "|" + "---|" * 20]
 
     def f(v, fmt=".2f"):
         return "" if v is None else format(v, fmt)
@@ -266,6 +243,8 @@ def markdown(report: dict) -> str:
             str(r["pipeline"] or ""),
             f"{r['tokens_per_s']:.1f}",
             f(r["speedup"]),
+            f(r["bound_tokens_per_s"], ".1f"),
+            f(r["share_of_bound"]),
             f(r["acceptance"]),
             f(r["tokens_per_round"]),
             f(r["expected_tokens_per_round"]),

@@ -141,14 +141,14 @@ class MistakenDrafter:
 
     def propose(
         self,
-        committed: Sequence[int],
+        sequence: Sequence[int],
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
     ) -> list[int]:
         self.calls += 1
-        draft, last = [], committed[-1]
-        for position in range(len(committed), len(committed) + gamma):
+        draft, last = [], sequence[-1]
+        for position in range(len(sequence), len(sequence) + gamma):
             last = successor(last)
             draft.append((last + 1) % VOCAB if position in self.wrong else last)
             if draft[-1] in stop_token_ids:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import subprocess
@@ -16,11 +17,19 @@ DRAFTWIRE = str(Path(sys.executable).parent / "draftwire")
 
 
 class ServerProcess:
-    def __init__(self, target: Path, *extra: str, timeout: float = 120, executable: str = DRAFTWIRE):
-        """Starts `executable serve` (by default this environment's `draftwire`); raises RuntimeError
-        with its output when it does not come up."""
+    def __init__(
+        self,
+        target: Path,
+        *extra: str,
+        timeout: float = 120,
+        executable: str = DRAFTWIRE,
+        cpus: tuple[int, ...] = (),
+    ):
+        """Starts `executable serve` (by default this environment's `draftwire`), pinned to `cpus` when
+        given; raises RuntimeError with its output when it does not come up."""
         self.proc = subprocess.Popen(
             [executable, "serve", "--target", str(target), "--port", "0", *extra],
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
