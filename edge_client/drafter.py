@@ -63,36 +63,37 @@ class LlamaDrafter:
 
     def propose(
         self,
-        committed: Sequence[int],
+        sequence: Sequence[int],
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
     ) -> list[int]:
-        """Drafts up to `gamma` tokens after `committed`, choosing each with the verifier's rule and
-        keyed noise; stops early after a stop token, since nothing after one can be committed."""
-        if not committed:
+        """Drafts up to `gamma` tokens after `sequence` (the committed tokens, then any the edge assumes
+        will be), choosing each with the verifier's rule and keyed noise; stops early after a stop
+        token, since nothing after one can be committed."""
+        if not sequence:
             raise ValueError("cannot draft from an empty sequence")
-        self._sync(committed)
+        self._sync(sequence)
         draft: list[int] = []
         for i in range(gamma):
-            token = int(choose_tokens(self._last_logits()[None], len(committed) + i, params)[0])
+            token = int(choose_tokens(self._last_logits()[None], len(sequence) + i, params)[0])
             draft.append(token)
             if i == gamma - 1 or token in stop_token_ids:
                 break
             self._eval([token])
         return draft
 
-    def _sync(self, committed: Sequence[int]) -> None:
-        # Keep the longest shared prefix, but re-run at least the last committed token: its logits
-        # are what the first draft token is chosen from.
+    def _sync(self, sequence: Sequence[int]) -> None:
+        # Keep the longest shared prefix, but re-run at least the last token: its logits are what the
+        # first draft token is chosen from.
         keep = 0
-        limit = min(len(self._cached), len(committed) - 1)
-        while keep < limit and self._cached[keep] == committed[keep]:
+        limit = min(len(self._cached), len(sequence) - 1)
+        while keep < limit and self._cached[keep] == sequence[keep]:
             keep += 1
         self.llm._ctx.kv_cache_seq_rm(-1, keep, -1)
         self.llm.n_tokens = keep
         del self._cached[keep:]
-        self._eval(list(committed[keep:]))
+        self._eval(list(sequence[keep:]))
 
     def _eval(self, tokens: list[int]) -> None:
         self.llm.eval(tokens)

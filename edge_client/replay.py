@@ -25,13 +25,13 @@ class ReplayDrafter:
 
     def propose(
         self,
-        committed: Sequence[int],
+        sequence: Sequence[int],
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
     ) -> list[int]:
-        """The script's next gamma tokens after `committed` (the script is trusted to match it)."""
-        start = len(committed)
+        """The script's next gamma tokens after `sequence` (the script is trusted to match it)."""
+        start = len(sequence)
         draft = []
         for position in range(start, start + gamma):
             rng = random.Random(self.seed * 1_000_003 + position)

@@ -34,7 +34,7 @@ class Drafter(Protocol):
 
     def propose(
         self,
-        committed: Sequence[int],
+        sequence: Sequence[int],
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
