@@ -19,8 +19,12 @@ FRONT_PORT = 50051
 
 
 def pins() -> dict[str, str]:
-    """name -> version of every `name==version` dependency in pyproject.toml."""
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    """name -> version of every `name==version` dependency in pyproject.toml, extras included."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = [
+        *project["dependencies"],
+        *(d for extra in project["optional-dependencies"].values() for d in extra),
+    ]
     return {m[1]: m[2] for d in deps if (m := re.fullmatch(r"([\w-]+)(?:\[[\w,]+\])?==([\w.]+)", d))}
 
 

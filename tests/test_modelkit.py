@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from draftwire import modelkit
+from tools.models import kit as modelkit
 from tools.models.kit import TestPair, build_test_pair, stdlib_texts
 
 # Text the tokenizer never saw: build_test_pair trains on the first 400k characters of the same files.

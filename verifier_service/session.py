@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -258,7 +259,8 @@ async def decode_alone(batcher: Batcher, spec: SessionSpec) -> list[int]:
 
 
 def reference_decode(engine: Engine, spec: SessionSpec) -> list[int]:
-    """`decode_alone` on an event loop and a batcher of its own, for callers outside asyncio.
+    """`decode_alone` on an event loop and a batcher of its own, blocking the caller (from a running
+    event loop too: it then runs on a thread of its own).
 
     An invariance check, not an independent oracle: it shares the engine and the rules with the
     verifier, so it shows that gamma, batching and pipelining do not change the output; the tests
@@ -272,4 +274,9 @@ def reference_decode(engine: Engine, spec: SessionSpec) -> list[int]:
         finally:
             batcher.close()
 
-    return asyncio.run(run())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run())
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, run()).result()
