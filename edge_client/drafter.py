@@ -17,7 +17,7 @@ from llama_cpp import Llama
 
 from draftwire.contract import SamplingParams
 from draftwire.rules import choose_tokens
-from draftwire.vocab import Vocabulary, vocabulary_of
+from draftwire.vocab import Vocabulary, vocabulary_from_llama
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ class LlamaDrafter:
             verbose=False,
         )
         self.n_vocab = self.llm.n_vocab()
-        self.vocabulary: Vocabulary = vocabulary_of(
-            self.llm._model.token_get_text(i) for i in range(self.n_vocab)
-        )
+        self.vocabulary: Vocabulary = vocabulary_from_llama(self.llm)
         self._cached: list[int] = []  # tokens whose keys and values the draft's cache holds
         self.evaluated_positions = 0  # positions the draft computed, for the cost accounting
 

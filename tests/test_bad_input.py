@@ -11,7 +11,7 @@ from llama_cpp import Llama
 from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from draftwire.vocab import vocabulary_of
+from draftwire.vocab import vocabulary_from_llama
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
 from tools.models.kit import llama_cpp_source_dir
@@ -174,7 +174,7 @@ def test_mismatched_vocabulary_names_both(server, info):
     """A real other vocabulary: GPT-2's, from llama.cpp's vocabulary-only GGUF."""
     gguf = llama_cpp_source_dir() / "vendor/llama.cpp/models/ggml-vocab-gpt-2.gguf"
     llm = Llama(model_path=str(gguf), vocab_only=True, verbose=False)
-    other = vocabulary_of(llm._model.token_get_text(i) for i in range(llm.n_vocab()))
+    other = vocabulary_from_llama(llm)
     message = open_msg(info, fingerprint=other.fingerprint)
     message.open.vocab_size = other.size
     refused(server.address, [message], PRECONDITION, "vocabulary mismatch")

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from draftwire.vocab import vocabulary_of
+from draftwire.vocab import vocabulary_from_hf
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 
@@ -44,7 +44,7 @@ def test_model_info_describes_the_target(server, test_pair):
     tokenizer = AutoTokenizer.from_pretrained(test_pair.target_dir)
     with grpc.insecure_channel(server.address) as channel:
         info = pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
-    expected = vocabulary_of(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    expected = vocabulary_from_hf(tokenizer)
     assert info.target_id == "target"
     assert (info.vocab_size, info.tokenizer_fingerprint) == (expected.size, expected.fingerprint)
     assert info.max_gamma == 8 and info.max_context == 512
@@ -56,7 +56,7 @@ def test_model_info_describes_the_target(server, test_pair):
 def test_draft_and_target_fingerprints_agree(test_pair):
     drafter = LlamaDrafter(DrafterConfig(test_pair.draft_q4_0, n_ctx=64))
     tokenizer = AutoTokenizer.from_pretrained(test_pair.target_dir)
-    assert drafter.vocabulary == vocabulary_of(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    assert drafter.vocabulary == vocabulary_from_hf(tokenizer)
 
 
 async def _stats(address) -> pb.ServerStats:

@@ -18,7 +18,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
 from draftwire.contract import TargetInfo
-from draftwire.vocab import vocabulary_of
+from draftwire.vocab import vocabulary_from_hf
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ class TargetEngine:
 
 def target_info(target_id: str, tokenizer, config) -> TargetInfo:
     """What the verifier tells edges about the target, read from its tokenizer and config."""
-    vocabulary = vocabulary_of(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    vocabulary = vocabulary_from_hf(tokenizer, getattr(config, "vocab_size", None))
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
     return TargetInfo(
