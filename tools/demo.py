@@ -10,23 +10,32 @@ import grpc
 from edge_client.chat import ChatConfig, chat
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession
-from tools.models.demopair.files import DEFAULT_OUT, PairFiles
+from tools.models.demopair.files import PairFiles
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig, start_server
 
-# The draft the demo runs: chosen by the card's acceptance and speed (models/demo/model_card.md).
-DEMO_DRAFT = "q8_0"
+# Which draft of a pair the demo runs, the first that the pair has: SmolLM2's shipped Q4_1 file, the demo
+# pair's q8_0 (chosen by their cards' acceptance and speed).
+DRAFT_PREFERENCE = ("q4_1", "q8_0", "q4_0", "f16")
+DEMO_DRAFT = "q8_0"  # the committed demo pair's
 
 
-def demo_pair(models: Path | None, draft_kind: str = DEMO_DRAFT) -> tuple[Path, Path]:
-    """(target directory, draft GGUF) of a pair built by `draftwire models build` (default: the
-    committed one). Raises FileNotFoundError naming the command that builds it."""
-    files = PairFiles(models or DEFAULT_OUT)
-    if not (files.target / "config.json").is_file() or not files.gguf(draft_kind).is_file():
-        raise FileNotFoundError(
-            f"no model pair in {files.root}: run `draftwire models build --out {files.root}`"
+def demo_pair(models: Path | None) -> tuple[Path, Path]:
+    """(target directory, draft GGUF) of a pair directory: by default the SmolLM2 pair that
+    `draftwire models fetch smollm2` wrote; `models/demo` is the committed small pair. Raises
+    FileNotFoundError naming the command that makes the pair."""
+    from tools.models import smollm2
+
+    files = PairFiles(models or smollm2.default_dir())
+    drafts = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
+    if not (files.target / "config.json").is_file() or not drafts:
+        make = (
+            "draftwire models fetch smollm2"
+            if models is None
+            else f"draftwire models build --out {files.root}"
         )
-    return files.target, files.gguf(draft_kind)
+        raise FileNotFoundError(f"no model pair in {files.root}: run `{make}`")
+    return files.target, drafts[0]
 
 
 async def run_demo(models: Path | None, config: ChatConfig, prompt: str | None) -> int:
