@@ -18,6 +18,8 @@ from tools.models.kit import llama_cpp_source_dir
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 

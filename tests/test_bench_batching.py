@@ -2,8 +2,12 @@
 
 import json
 
+import pytest
+
 from tools.bench import batching
 from tools.bench import engine as engine_bench
+
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
 
 
 def test_batching_benchmark_runs_and_stays_exact(test_pair, tmp_path, capsys):

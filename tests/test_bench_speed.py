@@ -3,8 +3,12 @@
 import json
 import subprocess
 
+import pytest
+
 from tools.bench.speed import expected_tokens_per_round
 from tools.testkit.serverproc import DRAFTWIRE
+
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
 
 
 def test_expected_tokens_per_round():

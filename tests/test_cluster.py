@@ -31,6 +31,8 @@ from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig
 from verifier_service.session import VerifierLimits, reference_decode
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 ray = pytest.importorskip("ray")
 
 PROMPTS = [tuple((11 + 29 * p + 13 * i) % 400 + 20 for i in range(12 + p)) for p in range(4)]

@@ -24,6 +24,8 @@ from edge_client.session import EdgeSession, GenerationRequest
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 job_submission = pytest.importorskip("ray.job_submission")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,6 +14,8 @@ from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, he
 from tools.models.demopair.files import DEFAULT_OUT, PairFiles
 from tools.testkit.serverproc import DRAFTWIRE
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 FILES = PairFiles(DEFAULT_OUT)
 
 

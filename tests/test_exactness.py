@@ -29,6 +29,8 @@ from tools.testkit.serverproc import DRAFTWIRE
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 NEW_TOKENS = 24
 
 

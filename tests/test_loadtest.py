@@ -12,6 +12,8 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from tools.loadtest import report_text
 from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 pytest.importorskip("ray")
 
 

@@ -15,6 +15,8 @@ from tools.testkit.netdelay import DelayConfig, DelayProxy
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
+pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
+
 
 async def best_rtt_ms(address: str, n: int = 15) -> float:
     async with grpc.aio.insecure_channel(address) as channel:

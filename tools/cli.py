@@ -135,7 +135,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
     p.add_argument("--draft-hf", type=Path, help="the draft's transformers form, for assisted generation")
     p.add_argument("--prompts", type=int, default=20, help="held-out prompts")
-    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
+    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8))
     p.add_argument("--rtts", type=_ids, default=(10, 30, 80), help="round-trip times in ms")
@@ -387,14 +388,18 @@ def _chat(args) -> int:
 
 
 def _bench(args) -> int:
-    from tools.bench.prompts import heldout_prompts
+    from tools.bench.prompts import chat_prompts, heldout_prompts
     from tools.bench.speed import BenchConfig, run_all, write_outputs
 
     config = BenchConfig(
         target_dir=args.target,
         draft_gguf=args.draft,
         draft_hf=args.draft_hf,
-        prompts=heldout_prompts(args.target, args.prompts, args.prompt_tokens),
+        prompts=(
+            chat_prompts(args.target, args.prompts)
+            if args.chat
+            else heldout_prompts(args.target, args.prompts, args.prompt_tokens)
+        ),
         max_new_tokens=args.max_new_tokens,
         gammas=args.gammas,
         rtts_ms=args.rtts,

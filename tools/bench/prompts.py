@@ -1,5 +1,6 @@
-"""Benchmark prompts: the start of held-out windows of the demo corpus (files no model trained on), or
-plain deterministic ids where any ids will do (replayed drafts, load tests)."""
+"""Benchmark prompts: the start of held-out windows of the demo corpus (files no model trained on),
+held-out chat turns for a chat target, or plain deterministic ids where any ids will do (replayed drafts,
+load tests)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[in
     if len(windows) < count:
         raise ValueError(f"held-out files give {len(windows)} windows, not {count}")
     return tuple(tuple(w[:tokens]) for w in windows)
+
+
+def chat_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
+    """`count` held-out chat turns (the SmolLM2 card's questions) rendered with the target's chat
+    template, generation prompt included. Raises ValueError when there are fewer than that."""
+    from transformers import AutoTokenizer
+
+    from tools.models.smollm2 import CARD_PROMPTS, chat_ids
+
+    if count > len(CARD_PROMPTS):
+        raise ValueError(f"{len(CARD_PROMPTS)} held-out chat prompts, not {count}")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return tuple(tuple(chat_ids(tokenizer, q)) for q in CARD_PROMPTS[:count])

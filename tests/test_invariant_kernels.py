@@ -1,0 +1,200 @@
+"""Invariant mode's kernels alone: a row's result is bitwise the same whatever else shares the call.
+
+Small random tensors and a tiny random Llama; a few seconds. The last tests show that torch's own
+float32 kernels are not invariant on this CPU, so the equalities above them are known to bite.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from verifier_service import invariant
+from verifier_service.invariant import exact_attention, make_invariant, pack_weight, packed_linear
+
+DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.skipif(
+    not all(invariant.supported(d) for d in DTYPES), reason="invariant mode needs torch's oneDNN on CPU"
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread unless a test asks for more (the verifier's rig gives it one core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request, one_thread):
+    torch.set_num_threads(request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fan_in, fan_out", [(96, 160), (1536, 576)])
+def test_linear_rows_equal_alone_for_any_row_count(dtype, fan_in, fan_out, threads):
+    """Each row of an M-row call equals the row computed alone, for M across one-row, many-row and
+    chunked calls (past max_rows), with a bias, and with other rows of any content beside it."""
+    g = torch.Generator().manual_seed(fan_in + fan_out)
+    weight = (torch.randn(fan_out, fan_in, generator=g) / fan_in**0.5).to(dtype)
+    bias = torch.randn(fan_out, generator=g).to(dtype)
+    max_rows = invariant.ROW_POLICY[dtype][2]
+    x = torch.randn(max_rows + 5, fan_in, generator=g).to(dtype)
+    packed = pack_weight(weight)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
+    for rows in [1, 2, 3, 5, 9, 17, 33, 64, max_rows, max_rows + 1, max_rows + 5]:
+        assert torch.equal(packed_linear(x[:rows], packed, bias), alone[:rows]), rows
+    # The same row at another place among other rows (and in a 3-d batch of rows).
+    others = torch.randn(4, 9, fan_in, generator=g).to(dtype) * 3
+    others[2, 6] = x[0]
+    assert torch.equal(packed_linear(others, packed, bias)[2, 6], alone[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_is_close_to_torch(dtype):
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(160, 96, generator=g) / 96**0.5).to(dtype)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    torch.testing.assert_close(packed_linear(x, pack_weight(weight)), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_check_linear_passes_here(dtype):
+    invariant.check_linear(dtype, [(96, 160), (160, 96)])
+
+
+def _cache(held: int, capacity: int, kv_heads: int, dtype, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as the engine holds them: views of the first `held` positions of a larger buffer."""
+    keys, values = (torch.randn(1, kv_heads, capacity, 32, generator=g).to(dtype) for _ in range(2))
+    return keys[:, :, :held], values[:, :, :held]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_rows_equal_one_query_at_a_time(dtype, window, threads):
+    """The query at each position gives the same output among n queries (n = 2..17) as a one-query
+    call over the cache up to it, whatever the buffer's capacity behind the view (grouped-query heads)."""
+    g = torch.Generator().manual_seed(2)
+    held, heads = 40, 6
+    keys, values = _cache(held, 64, 2, dtype, g)
+    queries = torch.randn(1, heads, held, 32, generator=g).to(dtype)
+    for n in [2, 5, 9, 17]:
+        out = exact_attention(queries[:, :, held - n :], keys, values, 0.17, window)
+        for j in range(n):
+            p = held - n + j
+            # The one-position forward's cache: a different buffer (capacity 128) holding the same prefix.
+            k1, v1 = (torch.zeros(1, 2, 128, 32, dtype=dtype) for _ in range(2))
+            k1[:, :, : p + 1], v1[:, :, : p + 1] = keys[:, :, : p + 1], values[:, :, : p + 1]
+            one = exact_attention(
+                queries[:, :, p : p + 1], k1[:, :, : p + 1], v1[:, :, : p + 1], 0.17, window
+            )
+            assert torch.equal(out[0, j], one[0, 0]), (n, j)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_matches_causal_sdpa(dtype):
+    g = torch.Generator().manual_seed(3)
+    keys, values = _cache(30, 30, 2, dtype, g)
+    queries = torch.randn(1, 6, 9, 32, generator=g).to(dtype)
+    mask = torch.arange(30)[None, :] <= torch.arange(21, 30)[:, None]
+    expected = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, scale=0.2, enable_gqa=True
+    )
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        exact_attention(queries, keys, values, 0.2), expected.transpose(1, 2), atol=atol, rtol=0
+    )
+
+
+def _exact(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A transformers attention function for a batch of one sequence over a DynamicCache."""
+    return exact_attention(query, key, value, scaling, kwargs.get("sliding_window")), None
+
+
+AttentionInterface.register("invariant_test_exact", _exact)
+
+
+def _tiny_llama(dtype, invariant_mode: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    if invariant_mode:
+        make_invariant(model, check=False)  # check_linear has a test of its own
+        model.set_attn_implementation("invariant_test_exact")
+    return model
+
+
+def _logits_one_at_a_time_and_in_rounds(model, ids: list[int], prefix: int, width: int):
+    """Logits of positions prefix.. computed one per forward, and `width` per forward, over a cache."""
+    with torch.inference_mode():
+        runs = []
+        for step in (1, width):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=torch.tensor([ids[:prefix]]), past_key_values=cache, use_cache=True)
+            logits = []
+            for start in range(prefix, len(ids), step):
+                chunk = ids[start : start + step]
+                out = model(input_ids=torch.tensor([chunk]), past_key_values=cache, use_cache=True)
+                logits.append(out.logits[0])
+            runs.append(torch.cat(logits))
+    return runs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [5, 9, 17])
+def test_tiny_llama_logits_equal_one_position_forwards(dtype, width):
+    """The whole model in invariant mode: positions run `width` at a time give bitwise the logits of
+    one-position forwards over the same cache."""
+    model = _tiny_llama(dtype, invariant_mode=True)
+    ids = [(37 * i + 11) % 512 for i in range(60)]
+    one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, width)
+    assert torch.equal(one, rounds)
+
+
+def test_torch_float32_linear_is_not_row_invariant():
+    """Known to bite: torch's float32 F.linear (MKL) gives a row alone a different result than the same
+    row among others, so the equalities above test something."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(1536, 576, generator=g) / 24
+    x = torch.randn(9, 576, generator=g)
+    alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(9)])
+    assert not torch.equal(F.linear(x, weight), alone)
+
+
+def test_torch_sdpa_is_not_query_invariant():
+    """Known to bite: a query among others under a causal mask differs from the same query alone."""
+    g = torch.Generator().manual_seed(5)
+    keys, values = _cache(40, 40, 2, torch.float32, g)
+    queries = torch.randn(1, 6, 5, 32, generator=g)
+    mask = torch.arange(40)[None, :] <= torch.arange(35, 40)[:, None]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+    alone = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                queries[:, :, j : j + 1], keys[:, :, : 36 + j], values[:, :, : 36 + j], enable_gqa=True
+            )
+            for j in range(5)
+        ],
+        dim=2,
+    )
+    assert not torch.equal(out, alone)
+
+
+def test_tiny_llama_plain_float32_is_not_invariant():
+    """Known to bite, at the model level: the same model with torch's kernels (sdpa) is not invariant."""
+    model = _tiny_llama(torch.float32, invariant_mode=False)
+    ids = [(37 * i + 11) % 512 for i in range(60)]
+    one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, 5)
+    assert not torch.equal(one, rounds)
