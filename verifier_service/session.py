@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
