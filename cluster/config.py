@@ -17,6 +17,8 @@ class ReplicaConfig:
     num_cpus: float = 1.0  # Ray resources one replica holds (fractional values pack replicas)
     num_gpus: float = 0.0
     max_restarts: int = -1  # Ray restarts a dead replica process this often; -1 without end
+    dtype: str = "auto"  # the target's dtype (TargetEngine.load)
+    invariant: bool = False  # invariant mode (TargetEngine.load)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ class VerifierReplica:
         self._starting = self._starting or asyncio.Lock()
         async with self._starting:
             if self._info is None:
-                engine = await asyncio.to_thread(TargetEngine.load, self.config.target_dir)
+                config = self.config
+                engine = await asyncio.to_thread(
+                    TargetEngine.load, config.target_dir, dtype=config.dtype, invariant=config.invariant
+                )
                 host = self.config.server.host or _node_ip()
                 server_config = dataclasses.replace(self.config.server, host=host, port=0)
                 self._server, port = await start_server(engine, server_config)

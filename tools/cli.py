@@ -58,6 +58,20 @@ def _add_speculation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
 
 
+def _add_target_numerics(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the target's weights and compute (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="each position's logits bitwise independent of what shares its forward (CPU kernels)",
+    )
+
+
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -84,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
         "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads of the engine (0: torch's choice)")
+    _add_target_numerics(p)
     ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
     ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
     ray_group.add_argument(
@@ -119,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
     p.add_argument("--target", type=Path, required=True)
+    _add_target_numerics(p)
     _add_prompt(p)
     _add_sampling(p)
     _add_json(p)
@@ -224,7 +240,7 @@ def _serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    engine = TargetEngine.load(args.target)
+    engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
     asyncio.run(_serve_until_signal(engine, config))
     return 0
 
@@ -250,6 +266,8 @@ def _serve_pool(args, server) -> int:
             target_dir=args.target.resolve(),
             server=dataclasses.replace(server, host=args.replica_host, port=0),
             num_cpus=args.replica_cpus,
+            dtype=args.dtype,
+            invariant=args.invariant,
             num_gpus=args.replica_gpus,
         ),
         scaling=ScalingConfig(
@@ -343,7 +361,7 @@ def _reference(args) -> int:
     from verifier_service.engine import TargetEngine
     from verifier_service.session import SessionError, reference_decode
 
-    engine = TargetEngine.load(args.target)
+    engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompt = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer(args.prompt)["input_ids"])
     spec = SessionSpec(prompt, _sampling(args), args.max_new_tokens, ignore_eos=args.ignore_eos)

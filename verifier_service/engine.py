@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 
 from draftwire.contract import TargetInfo
 from draftwire.vocab import vocabulary_from_hf
+from verifier_service.invariant import exact_attention, make_invariant
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class _Rows:
     states: list[torch.Tensor]  # per row [1, kv_heads, held positions, head_dim]
     widths: list[int]  # new positions per row
     masks: dict  # the batch's causal masks, built once for all its layers: _causal_mask's arguments -> mask
+    exact: bool = False  # invariant mode: each query in a call of its own (invariant.exact_attention)
 
 
 class _RowsLayer:
@@ -77,8 +79,8 @@ class _RowsLayer:
 
     is_sliding = False
 
-    def __init__(self, sessions: list[GrowingLayer], widths: list[int], masks: dict):
-        self.sessions, self.widths, self.masks = sessions, widths, masks
+    def __init__(self, sessions: list[GrowingLayer], widths: list[int], masks: dict, exact: bool):
+        self.sessions, self.widths, self.masks, self.exact = sessions, widths, masks, exact
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states  # [rows, kv_heads, width, head_dim]
@@ -87,16 +89,19 @@ class _RowsLayer:
             for r, (layer, n) in enumerate(zip(self.sessions, self.widths, strict=True))
         ]
         keys, values = ([states[i] for states in held] for i in (0, 1))
-        return _Rows(keys, self.widths, self.masks), _Rows(values, self.widths, self.masks)
+        return (
+            _Rows(keys, self.widths, self.masks, self.exact),
+            _Rows(values, self.widths, self.masks, self.exact),
+        )
 
 
 class _RowsCache(Cache):
     """The past_key_values of a batch: each row reads and grows its own session's cache in place, so no
     session's cache is copied into the batch. Paired with `rows_attention`."""
 
-    def __init__(self, sessions: list[list[GrowingLayer]], widths: list[int]):
+    def __init__(self, sessions: list[list[GrowingLayer]], widths: list[int], exact: bool = False):
         masks = {}
-        layers = [_RowsLayer(list(layer), widths, masks) for layer in zip(*sessions, strict=True)]
+        layers = [_RowsLayer(list(layer), widths, masks, exact) for layer in zip(*sessions, strict=True)]
         super().__init__(layers=layers)
 
 
@@ -118,6 +123,12 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     _, heads, width, head_dim = query.shape
     outputs = []
     for r, (keys, values, n) in enumerate(zip(key.states, value.states, key.widths, strict=True)):
+        if key.exact:
+            out = exact_attention(query[r : r + 1, :, :n], keys, values, scaling, window)
+            if n < width:
+                out = torch.cat([out, out.new_zeros(1, width - n, heads, head_dim)], dim=1)
+            outputs.append(out)
+            continue
         shape = (n, keys.shape[-2], window)
         if shape not in key.masks:
             key.masks[shape] = _causal_mask(*shape, query.device)
@@ -165,8 +176,15 @@ class TargetEngine:
     """Runs the target over new positions of a session; single-threaded by contract (callers
     serialise calls, e.g. on one executor thread)."""
 
-    def __init__(self, model: torch.nn.Module, info: TargetInfo, device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, info: TargetInfo, device: torch.device, invariant: bool = False
+    ):
+        """`invariant`: each position's logits bitwise independent of what else is in the forward
+        (verifier_service/invariant.py); raises ValueError where there are no kernels for that."""
         model.set_attn_implementation(ROWS_ATTENTION)
+        if invariant:
+            make_invariant(model)
+        self.invariant = invariant
         self.model = model
         self.info = info
         self.device = device
@@ -174,17 +192,22 @@ class TargetEngine:
         self._caches: dict[str, _Cache] = {}
 
     @classmethod
-    def load(cls, model_dir: Path, device: str | None = None) -> TargetEngine:
-        """Loads a transformers model directory: float32 on CPU, bfloat16 on CUDA when present.
+    def load(
+        cls, model_dir: Path, device: str | None = None, dtype: str = "auto", invariant: bool = False
+    ) -> TargetEngine:
+        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto": bfloat16 on
+        CUDA, float32 on CPU), in invariant mode if asked.
 
-        Raises OSError or ValueError from transformers when the directory holds no causal LM.
+        Raises OSError or ValueError from transformers when the directory holds no causal LM, ValueError
+        for invariant mode where there are no kernels for it.
         """
         model_dir = Path(model_dir)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if dtype == "auto":
+            dtype = "bfloat16" if dev.type == "cuda" else "float32"
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()
-        return cls(model, target_info(model_dir.name, tokenizer, model.config), dev)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev).eval()
+        return cls(model, target_info(model_dir.name, tokenizer, model.config), dev, invariant)
 
     @property
     def active_sessions(self) -> int:
@@ -248,7 +271,7 @@ class TargetEngine:
             out = self.model(
                 input_ids=ids.to(self.device),
                 position_ids=positions.to(self.device),
-                past_key_values=_RowsCache([c.layers for _, c in live], widths),
+                past_key_values=_RowsCache([c.layers for _, c in live], widths, self.invariant),
                 use_cache=True,
                 logits_to_keep=0 if any(f.wants_logits for f, _ in live) else 1,
             )

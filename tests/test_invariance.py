@@ -1,0 +1,67 @@
+"""Invariant mode on a real pretrained target (SmolLM2-135M-Instruct, real non-peaked logits): a position's
+logits are bitwise the same computed alone, inside a gamma + 1 forward, and inside a ragged batch of
+sessions, in float32 and bfloat16; and the plain path is not (so these tests are known to bite)."""
+
+import importlib.metadata
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tools.models import smollm2
+from verifier_service import invariant
+from verifier_service.engine import Forward, TargetEngine
+
+try:
+    importlib.metadata.distribution(smollm2.PACKAGE)
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"{smollm2.PACKAGE} is not installed", allow_module_level=True)
+if not invariant.supported(torch.float32):
+    pytest.skip("no invariant kernels on this machine", allow_module_level=True)
+
+QUESTIONS = ["Name a fruit that is yellow.", "Write a haiku about rain.", "What is 3 + 4?"]
+NEW = [17, 2038, 314, 4000, 7, 99, 1200, 3001, 12]  # nine tokens to run after each prompt
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return smollm2.fetch(smollm2.default_dir(), log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    tokenizer = AutoTokenizer.from_pretrained(pair / smollm2.TARGET)
+    return [smollm2.chat_ids(tokenizer, q) for q in QUESTIONS]
+
+
+def one_at_a_time(engine, key, prompt):
+    """# [9, vocab]: each new position in a forward of its own."""
+    engine.forward(key, 0, prompt, wants_logits=False)
+    return torch.cat([engine.forward(key, len(prompt) + i, [t]) for i, t in enumerate(NEW)])
+
+
+def together(engine, prompts, widths):
+    """Each prompt's first `width` new positions in one ragged batch.  # per prompt [width, vocab]"""
+    keys = [f"b{i}" for i in range(len(prompts))]
+    engine.forward_many(
+        [Forward(k, 0, tuple(p), wants_logits=False) for k, p in zip(keys, prompts, strict=True)]
+    )
+    forwards = [Forward(k, len(p), tuple(NEW[:w])) for k, p, w in zip(keys, prompts, widths, strict=True)]
+    return engine.forward_many(forwards)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_invariant_logits_do_not_depend_on_what_shares_the_forward(pair, prompts, dtype):
+    engine = TargetEngine.load(pair / smollm2.TARGET, dtype=dtype, invariant=True)
+    alone = [one_at_a_time(engine, f"a{i}", p) for i, p in enumerate(prompts)]
+    nine = together(engine, prompts[:1], [9])[0]
+    assert torch.equal(nine, alone[0])  # a round of gamma + 1 = 9 positions
+    for rows, expected in zip(together(engine, prompts, [5, 1, 9]), alone, strict=True):
+        assert torch.equal(rows, expected[: rows.shape[0]])  # a ragged batch of three sessions
+
+
+def test_the_plain_bfloat16_path_is_not_invariant(pair, prompts):
+    engine = TargetEngine.load(pair / smollm2.TARGET, dtype="bfloat16")
+    alone = one_at_a_time(engine, "a", prompts[0])
+    nine = together(engine, prompts[:1], [9])[0]
+    assert not torch.equal(nine, alone)
