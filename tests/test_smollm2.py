@@ -164,6 +164,7 @@ def test_the_card_renders_every_draft():
             "cpu": "cpu",
             "cores": 2,
             "usable_cores": 2,
+            "load_average_1min": 0.5,
             "python": "3",
             "torch": "t",
             "llama_cpp_python": "l",
