@@ -145,6 +145,11 @@ class EdgeSession:
             error = e if isinstance(e, VerifierError) else VerifierError(e.code(), e.details() or "")
             if error.code == grpc.StatusCode.INTERNAL and not inbox.opened:
                 await self._raise_open_refusal(request, generated)
+                # The verifier accepts this open: the bare INTERNAL was the transport failing under the
+                # first writes (a dropped connection, say), which a resume can cure.
+                error = VerifierError(
+                    grpc.StatusCode.UNAVAILABLE, f"the stream broke before the open: {error}"
+                )
             raise error from None
         finally:
             inbox.close()
