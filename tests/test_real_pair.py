@@ -8,7 +8,6 @@ to be loosened: bit-exact verification is where that is fixed.
 """
 
 import asyncio
-import importlib.metadata
 
 import pytest
 import torch
@@ -22,11 +21,6 @@ from tools.models import smollm2
 from tools.testkit.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
-
-try:
-    importlib.metadata.distribution(smollm2.PACKAGE)
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"{smollm2.PACKAGE} is not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +50,8 @@ NEW_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return smollm2.fetch(smollm2.default_dir(), log=lambda _: None)
+def pair(smollm2_pair):
+    return smollm2_pair
 
 
 @pytest.fixture(scope="module")

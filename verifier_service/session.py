@@ -22,6 +22,7 @@ from draftwire.contract import (
     SessionSpec,
     Verdict,
     generation_budget,
+    is_stale,
     stop_set,
 )
 from draftwire.rules import choose_tokens, commit_round
@@ -190,10 +191,7 @@ class VerifierSession:
         self._check_ids(proposal.draft_token_ids, "draft")
         self._check_ids(proposal.assumed_token_ids, "assumed")
         length = len(self.committed)
-        assumed = proposal.assumed_token_ids
-        stale = proposal.start_position != length or (
-            assumed and tuple(self.committed[length - len(assumed) :]) != assumed
-        )
+        stale = is_stale(self.committed, proposal)
         if not stale and self.finish is not None:
             raise WrongState(f"session finished ({self.finish.value}); no proposal is accepted after that")
         self.last_round = proposal.round

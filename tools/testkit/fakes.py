@@ -18,6 +18,7 @@ from draftwire.contract import (
     TargetInfo,
     Verdict,
     generation_budget,
+    is_stale,
     stop_set,
 )
 from draftwire.rules import commit_round
@@ -117,9 +118,7 @@ class FakeVerifier:
         assert p.round == self.last_round + 1, f"round {p.round} after {self.last_round}"
         self.last_round = p.round
         length = len(self.committed)
-        assumed = p.assumed_token_ids
-        stale = p.start_position != length or (assumed and tuple(self.committed[-len(assumed) :]) != assumed)
-        if stale:
+        if is_stale(self.committed, p):
             return Verdict(p.round, p.start_position, 0, None, None, True, length, 0)
         assert self.finish is None, "a live proposal after the finish"
         left = self.budget - (length - len(self.spec.prompt_token_ids))
