@@ -18,7 +18,7 @@ class ReplicaConfig:
     num_gpus: float = 0.0
     max_restarts: int = -1  # Ray restarts a dead replica process this often; -1 without end
     dtype: str = "auto"  # the target's dtype (TargetEngine.load)
-    invariant: bool = False  # invariant mode (TargetEngine.load)
+    invariant: bool = True  # bit-exact kernels (TargetEngine.load)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ def smollm2_pair():
 
 @pytest.fixture(scope="session")
 def server(test_pair):
-    srv = ServerProcess(test_pair.target_dir, "--max-gamma", "8")
+    # The demo pair's tests compare with transformers' float32 `generate`: its verifier runs in float32.
+    srv = ServerProcess(test_pair.target_dir, "--max-gamma", "8", "--dtype", "float32")
     yield srv
     srv.stop()

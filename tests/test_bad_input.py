@@ -219,7 +219,7 @@ def drafter(test_pair):
 
 @pytest.fixture(scope="module")
 def expected(test_pair) -> list[int]:
-    engine = TargetEngine.load(Path(test_pair.target_dir))
+    engine = TargetEngine.load(Path(test_pair.target_dir), dtype="float32")
     return reference_decode(engine, SessionSpec(tuple(PROMPT), max_new_tokens=40, ignore_eos=True))
 
 

@@ -18,7 +18,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
 def test_cache_grows_and_cuts_back_like_no_cache(test_pair):
     """Rounds that grow the cache past its first capacity (64) and cut rejected positions back give
     the logits of a plain forward over the whole sequence."""
-    engine = TargetEngine.load(test_pair.target_dir)
+    engine = TargetEngine.load(test_pair.target_dir, dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
     sequence = list(range(5, 45))
     engine.forward("s", 0, sequence[:-1], wants_logits=False)
@@ -35,8 +35,8 @@ def test_a_batch_equals_its_sessions_one_at_a_time(test_pair):
     """Ragged prefills in one pass, then ragged rounds of sessions with different cached lengths (one
     of them starting from an empty cache), batched and alone: the same logits, and the caches stay
     right for the next round."""
-    batched = TargetEngine.load(test_pair.target_dir)
-    alone = TargetEngine.load(test_pair.target_dir)
+    batched = TargetEngine.load(test_pair.target_dir, dtype="float32")
+    alone = TargetEngine.load(test_pair.target_dir, dtype="float32")
     passes = []
     batched.model.register_forward_hook(lambda *_: passes.append(1))
     prompts = {f"s{i}": list(range(3 + i, 3 + i + 10 + 9 * i)) for i in range(5)}
@@ -70,7 +70,7 @@ def test_a_sliding_window_target_sees_only_its_window(test_pair, tmp_path):
     MistralForCausalLM(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(test_pair.target_dir / name, tmp_path / name)
-    engine = TargetEngine.load(tmp_path)
+    engine = TargetEngine.load(tmp_path, dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     sequences = {"a": list(range(5, 25)), "b": list(range(40, 51))}
     engine.forward_many(
@@ -88,7 +88,7 @@ def test_a_sliding_window_target_sees_only_its_window(test_pair, tmp_path):
 def test_a_failed_batch_leaves_every_cache_as_it_was(test_pair):
     """A forward that fails after the first layer appended its keys: no session holds the failed
     positions, and the next rounds still give a plain forward's logits."""
-    engine = TargetEngine.load(test_pair.target_dir)
+    engine = TargetEngine.load(test_pair.target_dir, dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
     sequences = {"a": list(range(5, 20)), "b": list(range(30, 38))}
     engine.forward_many(

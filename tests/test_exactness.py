@@ -56,7 +56,7 @@ def drafters(test_pair) -> dict[str, LlamaDrafter]:
 
 @pytest.fixture(scope="module")
 def engine(test_pair) -> TargetEngine:
-    return TargetEngine.load(test_pair.target_dir)
+    return TargetEngine.load(test_pair.target_dir, dtype="float32")
 
 
 def speculate(address: str, drafter: LlamaDrafter, requests: list[GenerationRequest]):

@@ -49,7 +49,7 @@ def test_proxy_adds_the_round_trip_time_it_claims(server, rtt_ms):
 def test_dropped_connection_resumes_with_every_committed_token(server, test_pair):
     host, port = server.address.rsplit(":", 1)
     prompt = (11, 22, 33, 44, 55)
-    engine = TargetEngine.load(test_pair.target_dir)
+    engine = TargetEngine.load(test_pair.target_dir, dtype="float32")
     expected = reference_decode(engine, SessionSpec(prompt, max_new_tokens=40, ignore_eos=True))
     drafter = LlamaDrafter(DrafterConfig(test_pair.draft_q4_0, n_ctx=256))
 

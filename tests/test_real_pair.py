@@ -62,7 +62,7 @@ def prompts(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    with ServerProcess(pair / smollm2.TARGET, "--max-gamma", "8") as srv:
+    with ServerProcess(pair / smollm2.TARGET, "--max-gamma", "8", "--dtype", "float32") as srv:
         yield srv
 
 
@@ -93,7 +93,7 @@ def test_greedy_equals_transformers_generate(pair, prompts, server):
 
 
 def test_seeded_sampling_equals_reference_across_gamma_drafts_and_pipelining(pair, prompts, server):
-    engine = TargetEngine.load(pair / smollm2.TARGET)
+    engine = TargetEngine.load(pair / smollm2.TARGET, dtype="float32")
     for i, prompt in enumerate(prompts[:3]):
         params = SamplingParams(temperature=0.7, seed=100 + i)
         expected = reference_decode(engine, SessionSpec(prompt, params, 48))

@@ -20,6 +20,11 @@ from transformers.cache_utils import Cache
 from draftwire.contract import TargetInfo
 from draftwire.vocab import vocabulary_from_hf
 from verifier_service.invariant import exact_attention, make_invariant
+from verifier_service.invariant import supported as invariant_supported
+
+
+class NoInvariantKernels(ValueError):
+    """Bit-exact (invariant) mode asked for a dtype and device without kernels for it."""
 
 
 @dataclass(frozen=True)
@@ -193,20 +198,25 @@ class TargetEngine:
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: str | None = None, dtype: str = "auto", invariant: bool = False
+        cls, model_dir: Path, device: str | None = None, dtype: str = "auto", invariant: bool = True
     ) -> TargetEngine:
-        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto": bfloat16 on
-        CUDA, float32 on CPU), in invariant mode if asked.
+        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto", which is
+        bfloat16: on CUDA as everywhere, and on CPU the faster once invariant, docs/invariance.md), in
+        invariant mode unless asked not to (`invariant=False` gives up bit-exactness against `reference`).
 
         Raises OSError or ValueError from transformers when the directory holds no causal LM, ValueError
-        for invariant mode where there are no kernels for it.
+        NoInvariantKernels (a ValueError) for invariant mode where there are no kernels for it (CUDA today).
         """
         model_dir = Path(model_dir)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype == "auto":
-            dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" else dtype)
+        if invariant and not invariant_supported(torch_dtype, dev):
+            raise NoInvariantKernels(
+                f"no bit-exact (invariant) kernels for {torch_dtype} on {dev.type}: run with the plain "
+                "kernels (--no-bit-exact), which gives up output identical to the target alone"
+            )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(dev).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(dev).eval()
         return cls(model, target_info(model_dir.name, tokenizer, model.config), dev, invariant)
 
     @property
