@@ -20,7 +20,7 @@ class ChatConfig:
     gamma: int = 4
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
-    pipeline: int = 0  # proposals sent ahead of their verdicts
+    pipeline: int = 2  # proposals sent ahead of their verdicts (the CLI's default)
     ignore_eos: bool = False  # reply until max_new_tokens whatever the target says
 
 

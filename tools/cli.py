@@ -15,7 +15,10 @@ import grpc
 from draftwire import wire
 from draftwire.contract import SamplingParams
 
-PIPELINE = 0
+# γ = 4 with two proposals in flight: the best greedy-and-sampled setting of `draftwire bench` on the
+# SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
+GAMMA = 4
+PIPELINE = 2
 PIPELINE_HELP = "proposals sent ahead of their verdicts (hides round trips; 0: wait for each verdict)"
 
 
@@ -54,7 +57,7 @@ def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
 
 
 def _add_speculation(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per round")
     p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
 
 
@@ -63,12 +66,14 @@ def _add_target_numerics(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="the target's weights and compute (auto: bfloat16 on CUDA, float32 on CPU)",
+        help="the target's weights and compute (auto: bfloat16)",
     )
     p.add_argument(
-        "--invariant",
-        action="store_true",
-        help="each position's logits bitwise independent of what shares its forward (CPU kernels)",
+        "--no-bit-exact",
+        dest="invariant",
+        action="store_false",
+        help="plain kernels: a position's logits then depend on what shares its forward, and the output "
+        "may differ from the target alone's at near-ties (the default kernels are bit-exact, CPU only)",
     )
 
 
@@ -117,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier or the pool's front")
     p.add_argument("--sessions", type=int, default=16, help="concurrent sessions")
     p.add_argument("--duration", type=float, default=30.0, help="seconds to keep opening sessions")
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per round")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens each generation commits")
     p.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
     p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
@@ -156,9 +161,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8))
     p.add_argument("--rtts", type=_ids, default=(10, 30, 80), help="round-trip times in ms")
-    p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the delayed and the pipelined runs")
+    p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the delayed runs")
     p.add_argument(
-        "--pipelines", type=_ids, default=(0, 2), help="pipeline depths of the delayed runs (0: none)"
+        "--pipelines", type=_ids, default=(0, 2), help="pipeline depths of every draftwire run (0: none)"
     )
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
     p.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
@@ -169,6 +174,8 @@ def parser() -> argparse.ArgumentParser:
         default=((), ()),
         help="pin the edge and the verifier (and the target-alone arms) to separate cores, e.g. 0:1",
     )
+    p.add_argument("--temperature", type=float, default=0.7, help="of the seeded sampled runs")
+    _add_target_numerics(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
     p = sub.add_parser("models", help="make model pairs: fetch a real one, or build the demo pair")
@@ -223,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args) -> int:
     from verifier_service.batcher import BatchConfig
-    from verifier_service.engine import TargetEngine
     from verifier_service.servicer import ServerConfig
     from verifier_service.session import VerifierLimits
 
@@ -240,9 +246,23 @@ def _serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
+    engine = _load_target(args)
+    if engine is None:
+        return 2
     asyncio.run(_serve_until_signal(engine, config))
     return 0
+
+
+def _load_target(args):
+    """The target engine as `--target`, `--dtype` and `--no-bit-exact` ask; None, said on stderr, where
+    there are no bit-exact kernels for it."""
+    from verifier_service.engine import NoInvariantKernels, TargetEngine
+
+    try:
+        return TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
+    except NoInvariantKernels as e:
+        print(f"draftwire: {e}", file=sys.stderr)
+        return None
 
 
 async def _serve_until_signal(engine, config) -> None:
@@ -358,10 +378,11 @@ def _reference(args) -> int:
 
     from draftwire.contract import SessionSpec
     from edge_client.planner import GenerationStats
-    from verifier_service.engine import TargetEngine
     from verifier_service.session import SessionError, reference_decode
 
-    engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
+    engine = _load_target(args)
+    if engine is None:
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompt = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer(args.prompt)["input_ids"])
     spec = SessionSpec(prompt, _sampling(args), args.max_new_tokens, ignore_eos=args.ignore_eos)
@@ -427,6 +448,9 @@ def _bench(args) -> int:
         verifier_threads=args.verifier_threads,
         edge_cpus=args.two_device[0],
         verifier_cpus=args.two_device[1],
+        temperature=args.temperature,
+        dtype=args.dtype,
+        invariant=args.invariant,
     )
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
     print(write_outputs(report, args.out))

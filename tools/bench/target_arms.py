@@ -39,11 +39,16 @@ async def run_target_alone(config: BenchConfig, batcher: Batcher, mode: str) -> 
     return row
 
 
+def _dtype(config: BenchConfig) -> torch.dtype:
+    """transformers' arms run in the target's dtype ("auto" is bfloat16, as in TargetEngine.load)."""
+    return getattr(torch, "bfloat16" if config.dtype == "auto" else config.dtype)
+
+
 def run_transformers(config: BenchConfig, label: str, **generate_kwargs) -> Row:
     """transformers' own greedy `generate` with the given speculation (assistant model, prompt lookup)."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(config.target_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(config.target_dir, dtype=_dtype(config)).eval()
     row = Row("b", label, "greedy")
     start = time.perf_counter()
     for prompt in config.prompts:
@@ -65,7 +70,7 @@ def run_transformers(config: BenchConfig, label: str, **generate_kwargs) -> Row:
 
 async def run(config: BenchConfig, log=print) -> list[Row]:
     rows = []
-    batcher = Batcher(TargetEngine.load(config.target_dir))
+    batcher = Batcher(TargetEngine.load(config.target_dir, dtype=config.dtype, invariant=config.invariant))
     try:
         for mode in ("greedy", "sampled"):
             log(f"(a) target alone, {mode}")
@@ -76,7 +81,7 @@ async def run(config: BenchConfig, log=print) -> list[Row]:
         from transformers import AutoModelForCausalLM
 
         log("(b) transformers assisted generation, greedy")
-        draft = AutoModelForCausalLM.from_pretrained(config.draft_hf, dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(config.draft_hf, dtype=_dtype(config)).eval()
         rows.append(run_transformers(config, "transformers assisted generation", assistant_model=draft))
     log("(b) transformers prompt-lookup decoding, greedy")
     rows.append(
