@@ -145,7 +145,7 @@ def test_greedy_speculation_with_the_demo_pair_equals_transformers(tokenizer):
                 await session.run(GenerationRequest(tuple(p), max_new_tokens=32, gamma=4)) for p in prompts
             ]
 
-    with ServerProcess(FILES.target) as server:
+    with ServerProcess(FILES.target, "--dtype", "float32") as server:  # transformers' float32 generate
         results = asyncio.run(run())
     assert [ids for ids, _ in results] == expected
     assert sum(s.accepted_tokens for _, s in results) / sum(s.draft_tokens for _, s in results) > 0.3
