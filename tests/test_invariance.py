@@ -4,8 +4,8 @@ sessions, in float32 and bfloat16; and the plain path is not (so these tests are
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
+from tools.bench.prompts import chat_turns
 from tools.models import smollm2
 from verifier_service import invariant
 from verifier_service.engine import Forward, TargetEngine
@@ -24,8 +24,7 @@ def pair(smollm2_pair):
 
 @pytest.fixture(scope="module")
 def prompts(pair):
-    tokenizer = AutoTokenizer.from_pretrained(pair / smollm2.TARGET)
-    return [smollm2.chat_ids(tokenizer, q) for q in QUESTIONS]
+    return chat_turns(pair / smollm2.TARGET, QUESTIONS)
 
 
 def one_at_a_time(engine, key, prompt):

@@ -11,12 +11,13 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
+from tools.bench.prompts import chat_turns
 from tools.models import smollm2
 from tools.testkit.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
@@ -56,8 +57,7 @@ def pair(smollm2_pair):
 
 @pytest.fixture(scope="module")
 def prompts(pair):
-    tokenizer = AutoTokenizer.from_pretrained(pair / smollm2.TARGET)
-    return [tuple(smollm2.chat_ids(tokenizer, q)) for q in QUESTIONS]
+    return chat_turns(pair / smollm2.TARGET, QUESTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,19 @@ def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[in
 def chat_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
     """`count` held-out chat turns (the SmolLM2 card's questions) rendered with the target's chat
     template, generation prompt included. Raises ValueError when there are fewer than that."""
-    from transformers import AutoTokenizer
-
-    from tools.models.smollm2 import CARD_PROMPTS, chat_ids
+    from tools.models.smollm2 import CARD_PROMPTS
 
     if count > len(CARD_PROMPTS):
         raise ValueError(f"{len(CARD_PROMPTS)} held-out chat prompts, not {count}")
+    return chat_turns(target_dir, CARD_PROMPTS[:count])
+
+
+def chat_turns(target_dir: Path, questions) -> tuple[tuple[int, ...], ...]:
+    """Each question as one user turn rendered with the target's chat template, generation prompt
+    included."""
+    from transformers import AutoTokenizer
+
+    from tools.models.smollm2 import chat_ids
+
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    return tuple(tuple(chat_ids(tokenizer, q)) for q in CARD_PROMPTS[:count])
+    return tuple(tuple(chat_ids(tokenizer, q)) for q in questions)
