@@ -59,6 +59,9 @@ class GenerationStats:
     accepted_tokens: int = 0  # proposed and accepted
     generated_tokens: int = 0  # committed by verdicts (accepted plus target tokens)
     target_positions: int = 0  # the verifier's figure for this session, prefill included
+    reused_positions: int = 0  # prefill positions the verifier took from a kept cache (last open)
+    first_token_s: float | None = None  # from the start to the first committed token
+    started_at: float = 0.0  # perf_counter() when the generation started
     wall_s: float = 0.0
     draft_s: float = 0.0  # time spent drafting on the edge
     round_s: list[float] = field(default_factory=list)  # send to verdict, per verified round

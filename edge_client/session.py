@@ -80,7 +80,7 @@ class EdgeSession:
         """
         stats = stats if stats is not None else GenerationStats()
         generated = generated if generated is not None else []
-        start = time.perf_counter()
+        start = stats.started_at = time.perf_counter()
         resumes = 0
         try:
             while True:
@@ -136,6 +136,8 @@ class EdgeSession:
                 if not verdict.stale:
                     stats.round_s.append(time.perf_counter() - sent_at.pop(verdict.round))
                 if new:
+                    if stats.first_token_s is None:
+                        stats.first_token_s = time.perf_counter() - stats.started_at
                     generated += new
                     yield new
             await call.done_writing()
@@ -236,6 +238,7 @@ class _Inbox:
                     self._queue.put_nowait(wire.verdict_from_proto(message.verdict))
                 elif kind == "opened":
                     self.opened = True
+                    self.stats.reused_positions = message.opened.reused_positions
         except grpc.aio.AioRpcError as e:
             self._queue.put_nowait(VerifierError(e.code(), e.details() or ""))
         except VerifierError as e:

@@ -2,15 +2,20 @@
 
 A session's cache holds every committed position but the last committed token; a forward first cuts
 the cache back to the positions the caller keeps, then runs the new tokens on top of it, so a round
-costs gamma + 1 positions and never recomputes the prefix. Cache layers append in place into spare
+costs gamma + 1 positions and never recomputes the prefix. A finished session's cache can be kept a
+while (`PrefixCache`): a new session whose tokens start with a kept one's adopts it, so the next turn
+of a conversation computes only its new tokens. Cache layers append in place into spare
 capacity. A batch of sessions runs the projections and MLPs of all rows as one pass, while each row's
 attention reads its own session's cache where it lies: nothing is gathered or padded per round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -171,10 +176,85 @@ AttentionInterface.register(ROWS_ATTENTION, rows_attention)
 @dataclass
 class _Cache:
     layers: list[GrowingLayer]
+    tokens: list[int] = field(default_factory=list)  # the token at each held position
 
     @property
     def length(self) -> int:  # positions held
         return self.layers[0].length
+
+    @property
+    def nbytes(self) -> int:  # memory held, spare capacity included
+        return sum(t.nbytes for layer in self.layers for t in (layer._keys, layer._values) if t is not None)
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """How long finished sessions' caches are kept for new sessions that extend them."""
+
+    budget_bytes: int = 0  # most memory the kept caches hold together; 0 keeps none
+    ttl_s: float = 600.0  # a kept cache unused this long is dropped
+
+
+class PrefixCache:
+    """Finished sessions' KV caches, least recently used first, within a memory budget and a time limit.
+
+    A kept cache is identified by the token ids it holds, nothing else: a new sequence takes the kept
+    cache with which it shares the longest prefix (any client's next turn benefits, not only one app's).
+    Taking moves the cache to the new session; it comes back, extended, when that session ends.
+    """
+
+    def __init__(self, config: PrefixCacheConfig, clock: Callable[[], float] = time.monotonic):
+        self.config, self.clock = config, clock
+        self._kept: OrderedDict[int, tuple[_Cache, float]] = OrderedDict()  # oldest first
+        self._ids = itertools.count()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, cache: _Cache) -> None:
+        """Keeps a finished session's cache (if it fits the budget at all), dropping the least recently
+        used ones to make room."""
+        size = cache.nbytes
+        if not cache.tokens or size > self.config.budget_bytes:
+            return
+        self._kept[next(self._ids)] = (cache, self.clock())
+        self.bytes += size
+        self._expire()
+        while self.bytes > self.config.budget_bytes:
+            self._drop(next(iter(self._kept)))
+
+    def take(self, tokens: Sequence[int]) -> tuple[_Cache | None, int]:
+        """Removes and returns the kept cache sharing the longest prefix with `tokens` (at most all of
+        them), and that prefix's length; (None, 0) when none shares a token."""
+        self._expire()
+        best, best_n = None, 0
+        for kid, (cache, _) in self._kept.items():
+            n = _common_prefix(cache.tokens, tokens)
+            if n > best_n:
+                best, best_n = kid, n
+        if best is None:
+            return None, 0
+        cache = self._drop(best)
+        return cache, best_n
+
+    def _expire(self) -> None:
+        horizon = self.clock() - self.config.ttl_s
+        for kid in [k for k, (_, at) in self._kept.items() if at < horizon]:
+            self._drop(kid)
+
+    def _drop(self, kid: int) -> _Cache:
+        cache, _ = self._kept.pop(kid)
+        self.bytes -= cache.nbytes
+        return cache
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class TargetEngine:
@@ -195,6 +275,7 @@ class TargetEngine:
         self.device = device
         self._layers = model.config.get_text_config().num_hidden_layers
         self._caches: dict[str, _Cache] = {}
+        self.prefix_cache = PrefixCache(PrefixCacheConfig())  # keeps nothing until configured
 
     @classmethod
     def load(
@@ -222,6 +303,28 @@ class TargetEngine:
     @property
     def active_sessions(self) -> int:
         return len(self._caches)
+
+    def keep_finished(self, config: PrefixCacheConfig) -> None:
+        """Keeps released sessions' caches for new sessions that extend them (see PrefixCache)."""
+        self.prefix_cache = PrefixCache(config)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Memory held by KV caches: live sessions' and kept ones'."""
+        return sum(c.nbytes for c in self._caches.values()) + self.prefix_cache.bytes
+
+    def adopt(self, key: str, token_ids: Sequence[int]) -> int:
+        """Starts new session `key` from the kept cache that shares the longest prefix with `token_ids`
+        (the positions it will prefill); returns how many positions it starts with (0: none kept).
+        Raises ValueError when the key is live."""
+        if key in self._caches:
+            raise ValueError(f"session {key} is live")
+        cache, n = self.prefix_cache.take(token_ids)
+        if cache is None:
+            return 0
+        self._caches[key] = cache
+        self._cut(key, n)
+        return n
 
     def forward(
         self, key: str, keep: int, token_ids: list[int], wants_logits: bool = True
@@ -262,6 +365,7 @@ class TargetEngine:
             raise ValueError(f"session {key} holds {cache.length} positions, cannot keep {keep}")
         for layer in cache.layers:
             layer.cut(keep)
+        del cache.tokens[keep:]
         return cache
 
     def _run(self, live: list[tuple[Forward, _Cache]]) -> list[torch.Tensor | None]:
@@ -291,6 +395,8 @@ class TargetEngine:
                 for layer in c.layers:
                     layer.cut(length)
             raise
+        for f, c in live:
+            c.tokens += f.token_ids
         vocab = self.info.vocabulary.size
         return [
             out.logits[r, :n, :vocab].float().cpu() if f.wants_logits else None
@@ -298,8 +404,11 @@ class TargetEngine:
         ]
 
     def release(self, key: str) -> None:
-        """Frees session `key`'s cache; unknown keys are ignored."""
-        self._caches.pop(key, None)
+        """Ends session `key`: its cache is kept for a session that extends it if the prefix cache is on
+        and has room, else freed; unknown keys are ignored."""
+        cache = self._caches.pop(key, None)
+        if cache is not None:
+            self.prefix_cache.put(cache)
 
 
 def target_info(target_id: str, tokenizer, config) -> TargetInfo:

@@ -21,7 +21,7 @@ from draftwire.contract import ModelInfo
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service.batcher import BatchConfig, Batcher
-from verifier_service.engine import TargetEngine
+from verifier_service.engine import PrefixCacheConfig, TargetEngine
 from verifier_service.session import (
     InvalidRequest,
     SessionError,
@@ -44,6 +44,8 @@ class ServerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES  # larger messages are refused with RESOURCE_EXHAUSTED
     limits: VerifierLimits = VerifierLimits()
     batch: BatchConfig = BatchConfig()
+    # Finished sessions' caches kept for the next turn of a conversation: 1 GiB for 10 minutes.
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig(budget_bytes=1 << 30, ttl_s=600.0)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -51,6 +53,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine = engine
         self.config = config
         self.stats = VerifierStats()
+        engine.keep_finished(config.prefix_cache)
         self.batcher = Batcher(engine, config.batch)
         self._keys = itertools.count(1)
 
@@ -72,6 +75,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             engine_batches=self.batcher.stats.batches,
             engine_forwards=self.batcher.stats.forwards,
             engine_seconds=self.batcher.stats.seconds,
+            reused_positions=s.reused_positions,
+            kept_caches=len(self.engine.prefix_cache),
+            cache_bytes=self.engine.cache_bytes,
         )
 
     async def Session(self, request_iterator, context):
@@ -92,7 +98,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     session = await VerifierSession.open(
                         self.batcher, spec, self.config.limits, self.stats, key
                     )
-                    opened = pb.SessionOpened(session_id=key, committed_length=len(session.committed))
+                    opened = pb.SessionOpened(
+                        session_id=key,
+                        committed_length=len(session.committed),
+                        reused_positions=session.reused_positions,
+                    )
                     yield pb.VerifierMessage(opened=opened)
                 elif kind != "proposal":
                     raise InvalidRequest("the session is already open: send proposals")

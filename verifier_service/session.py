@@ -67,6 +67,7 @@ class VerifierStats:
     generated_tokens: int = 0
     round_positions: int = 0
     prefill_positions: int = 0
+    reused_positions: int = 0  # prefill positions taken from kept caches instead of computed
 
     @property
     def target_positions_per_token(self) -> float:
@@ -122,21 +123,28 @@ class VerifierSession:
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.last_round = 0
         self.finish: Finish | None = None
-        self.target_positions = 0
+        self.target_positions = 0  # positions the target computed for this session
+        self.reused_positions = 0  # prefill positions taken from a kept cache
 
     @classmethod
     async def open(cls, batcher: Batcher, spec: SessionSpec, *args, **kwargs) -> VerifierSession:
-        """A validated session whose cache holds every committed position but the last.
+        """A validated session whose cache holds every committed position but the last: those a kept
+        cache already holds (a conversation's earlier turns, `PrefixCache`) are taken from it, the rest
+        computed.
 
         Raises InvalidRequest or WrongState before any work, and what the engine raises.
         """
         session = cls(batcher, spec, *args, **kwargs)
         session.stats.sessions_opened += 1
         batcher.join(session.key)
-        session.target_positions = len(session.committed) - 1
-        session.stats.prefill_positions += session.target_positions
         try:
-            await batcher.forward(Forward(session.key, 0, tuple(session.committed[:-1]), wants_logits=False))
+            prefix = session.committed[:-1]
+            session.reused_positions = await batcher.adopt(session.key, prefix)
+            session.target_positions = len(prefix) - session.reused_positions
+            session.stats.prefill_positions += session.target_positions
+            session.stats.reused_positions += session.reused_positions
+            prefill = tuple(prefix[session.reused_positions :])
+            await batcher.forward(Forward(session.key, session.reused_positions, prefill, wants_logits=False))
         except BaseException:
             session.close()
             raise

@@ -109,12 +109,14 @@ class EdgeMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "committed_length")
+    __slots__ = ("session_id", "committed_length", "reused_positions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REUSED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_length: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ...) -> None: ...
+    reused_positions: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions")
@@ -149,7 +151,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,9 @@ class ServerStats(_message.Message):
     ENGINE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_CACHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -170,4 +175,7 @@ class ServerStats(_message.Message):
     engine_batches: int
     engine_forwards: int
     engine_seconds: float
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
+    reused_positions: int
+    kept_caches: int
+    cache_bytes: int
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ...) -> None: ...

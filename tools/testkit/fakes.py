@@ -55,7 +55,7 @@ def fake_info(vocab: int = VOCAB, max_context: int = 256) -> TargetInfo:
 
 
 class FakeEngine:
-    """The verifier's engine contract (`forward_many`, `release`, `info`) over per-session lengths
+    """The verifier's engine contract (`forward_many`, `release`, `adopt`, `info`) over per-session lengths
     instead of KV caches. Records every batch it runs."""
 
     def __init__(self, info: TargetInfo | None = None):
@@ -95,6 +95,9 @@ class FakeEngine:
     def release(self, key: str) -> None:
         if self.held.pop(key, None) is not None:
             self.released.append(key)
+
+    def adopt(self, key: str, token_ids) -> int:
+        return 0  # keeps no finished session
 
 
 @dataclass
