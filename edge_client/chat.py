@@ -74,8 +74,8 @@ def chat_prompt(info, drafter, messages: list[dict[str, str]]) -> list[int]:
     target = info.target
     if not target.chat_template:
         return drafter.tokenize(messages[-1]["content"])
-    bos = _piece(drafter, target.bos_token_id)
-    eos = _piece(drafter, target.eos_token_ids[0] if target.eos_token_ids else None)
+    bos = special_piece(drafter, target.bos_token_id)
+    eos = special_piece(drafter, target.eos_token_ids[0] if target.eos_token_ids else None)
     text = render_chat(target.chat_template, messages, bos, eos)
     return drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
@@ -119,7 +119,7 @@ async def chat(
             break
 
 
-def _piece(drafter, token_id: int | None) -> str:
+def special_piece(drafter, token_id: int | None) -> str:
     if token_id is None:
         return ""
     return drafter.llm.detokenize([token_id], special=True).decode("utf-8", "replace")

@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from concurrent.futures import Executor
@@ -85,8 +86,10 @@ class EdgeSession:
         try:
             while True:
                 try:
-                    async for new in self._stream(request, stats, generated):
-                        yield new
+                    # Closed at once when the caller stops reading: the stream is cancelled on the verifier.
+                    async with contextlib.aclosing(self._stream(request, stats, generated)) as stream:
+                        async for new in stream:
+                            yield new
                     return
                 except VerifierError as e:
                     if e.code != grpc.StatusCode.UNAVAILABLE or resumes >= self.max_resumes:

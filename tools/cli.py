@@ -103,6 +103,13 @@ def parser() -> argparse.ArgumentParser:
         "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads of the engine (0: torch's choice)")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=1024,
+        help="memory for finished sessions' KV caches, kept for the next turn of a conversation (0: none)",
+    )
+    p.add_argument("--prefix-cache-ttl", type=float, default=600, help="seconds a kept cache lives unused")
     _add_target_numerics(p)
     ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
     ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
@@ -148,6 +155,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True)
     p.add_argument("--draft", type=Path, required=True)
     _add_chat(p)
+
+    p = sub.add_parser(
+        "edge", help="the device's chat app: an OpenAI-compatible API and a web page on localhost"
+    )
+    p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
+    _add_edge_app(p)
 
     p = sub.add_parser(
         "bench", help="draftwire against the target alone and assisted generation, side by side"
@@ -203,7 +217,25 @@ def parser() -> argparse.ArgumentParser:
         help="model pair directory (default: the fetched SmolLM2 pair; models/demo: the small stdlib pair)",
     )
     _add_chat(p)
+    p.add_argument(
+        "--web", action="store_true", help="start the edge app's web page instead of the terminal chat"
+    )
+    p.add_argument("--port", type=int, default=8080, help="of the web page (--web)")
     return ap
+
+
+def _add_edge_app(p: argparse.ArgumentParser) -> None:
+    from edge_client.openai_api import Settings
+
+    p.add_argument("--host", default="127.0.0.1", help="address of the HTTP server")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
+    p.add_argument(
+        "--db", type=Path, default=None, help="conversations (default: $XDG_DATA_HOME/draftwire/edge.sqlite3)"
+    )
+    _add_speculation(p)
+    defaults = Settings()
+    p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="when a request sets none")
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="when a request sets none")
 
 
 def _add_chat(p: argparse.ArgumentParser) -> None:
@@ -220,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             "generate": _generate,
             "reference": _reference,
             "chat": _chat,
+            "edge": _edge,
             "demo": _demo,
             "bench": _bench,
             "models": _models,
@@ -230,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args) -> int:
     from verifier_service.batcher import BatchConfig
+    from verifier_service.engine import PrefixCacheConfig
     from verifier_service.servicer import ServerConfig
     from verifier_service.session import VerifierLimits
 
@@ -239,6 +273,7 @@ def _serve(args) -> int:
         args.max_message_bytes,
         VerifierLimits(max_gamma=args.max_gamma),
         BatchConfig(max_batch=args.max_batch, window_s=args.batch_window_ms / 1000),
+        PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
     )
     if args.ray:
         return _serve_pool(args, config)
@@ -426,6 +461,32 @@ def _chat(args) -> int:
     return 0
 
 
+def _edge_config(args, server: str):
+    from edge_client.app import EdgeConfig, default_store
+    from edge_client.openai_api import Settings
+
+    return EdgeConfig(
+        server,
+        gamma=args.gamma,
+        pipeline=args.pipeline,
+        defaults=Settings(max_tokens=args.max_tokens, temperature=args.temperature),
+        store_path=args.db or default_store(),
+    )
+
+
+def _edge(args) -> int:
+    from edge_client.app import serve
+
+    drafter = _drafter(args.draft)
+    config = _edge_config(args, args.server)
+
+    def ready(url: str) -> None:
+        print(f"draftwire edge: {url} (verifier {args.server}, draft {args.draft.name})", flush=True)
+
+    asyncio.run(serve(config, drafter, args.host, args.port, args.draft.name, ready))
+    return 0
+
+
 def _bench(args) -> int:
     from tools.bench.prompts import chat_prompts, heldout_prompts
     from tools.bench.speed import BenchConfig, run_all, write_outputs
@@ -476,6 +537,10 @@ def _models(args) -> int:
 def _demo(args) -> int:
     from tools.demo import run_demo
 
+    if args.web:
+        from tools.demo import run_web_demo
+
+        return asyncio.run(run_web_demo(args.models, args.port))
     return asyncio.run(run_demo(args.models, _chat_config(args), args.prompt))
 
 

@@ -1,4 +1,5 @@
-"""`draftwire demo`: a verifier on a free loopback port and a chat against it, in one process."""
+"""`draftwire demo`: a verifier on a free loopback port and a chat against it, in one process; with
+`--web`, the edge app (its web page and OpenAI-compatible API) instead of the terminal chat."""
 
 from __future__ import annotations
 
@@ -48,6 +49,33 @@ async def run_demo(models: Path | None, config: ChatConfig, prompt: str | None) 
         drafter = LlamaDrafter(DrafterConfig(draft_path))
         async with grpc.aio.insecure_channel(address) as channel:
             await chat(EdgeSession(channel, drafter), config, sys.stdout, once=prompt)
+    finally:
+        await server.stop(grace=1.0)
+    return 0
+
+
+async def run_web_demo(models: Path | None, port: int) -> int:
+    from edge_client.app import EdgeConfig, default_store, serve
+
+    target_dir, draft_path = demo_pair(models)
+    engine = TargetEngine.load(target_dir)
+    server, grpc_port = await start_server(engine, ServerConfig(port=0))
+    address = f"127.0.0.1:{grpc_port}"
+    print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
+    try:
+        drafter = LlamaDrafter(DrafterConfig(draft_path))
+
+        def ready(url: str) -> None:
+            print(f"draftwire demo: open {url} (OpenAI API at {url}v1)", flush=True)
+
+        await serve(
+            EdgeConfig(address, store_path=default_store()),
+            drafter,
+            "127.0.0.1",
+            port,
+            draft_path.name,
+            ready,
+        )
     finally:
         await server.stop(grace=1.0)
     return 0

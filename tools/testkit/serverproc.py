@@ -1,4 +1,5 @@
-"""`draftwire serve` in a child process on a free loopback port, ready once health says SERVING."""
+"""`draftwire serve` in a child process on a free loopback port, ready once health says SERVING; and
+`draftwire edge` (the device's HTTP app) likewise, ready once it prints its URL."""
 
 from __future__ import annotations
 
@@ -34,23 +35,8 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        self.address = self._wait_for_address(timeout)
+        self.address = _wait_for(self, r"serving .* on (\S+:\d+)", timeout)
         self._wait_until_serving(timeout=30)
-
-    def _wait_for_address(self, timeout: float) -> str:
-        deadline, seen = time.monotonic() + timeout, []
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline()
-                seen.append(line)
-                m = re.search(r"serving .* on (\S+:\d+)", line)
-                if m:
-                    return m.group(1)
-            if self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError("server did not start:\n" + "".join(seen))
 
     def _wait_until_serving(self, timeout: float) -> None:
         with grpc.insecure_channel(self.address) as channel:
@@ -73,8 +59,59 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EdgeProcess(ServerProcess):
+    def __init__(
+        self,
+        server: str,
+        draft: Path,
+        *extra: str,
+        db: Path,
+        timeout: float = 120,
+        executable: str = DRAFTWIRE,
+    ):
+        """Starts `executable edge` against the verifier at `server` on a free loopback port, keeping
+        conversations in `db`; `url` is its base URL. Raises RuntimeError when it does not come up."""
+        self.proc = subprocess.Popen(
+            [
+                executable,
+                "edge",
+                "--server",
+                server,
+                "--draft",
+                str(draft),
+                "--port",
+                "0",
+                "--db",
+                str(db),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.url = _wait_for(self, r"draftwire edge: (http://\S+/)", timeout)
+
+
+def _wait_for(server: ServerProcess, pattern: str, timeout: float) -> str:
+    """The first group of `pattern` in the process's first lines of output; stops it and raises
+    RuntimeError with what it printed when it exits or the time runs out first."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([server.proc.stdout], [], [], 0.5)
+        if ready:
+            line = server.proc.stdout.readline()
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m.group(1)
+        if server.proc.poll() is not None:
+            break
+    server.stop()
+    raise RuntimeError("did not start:\n" + "".join(seen))

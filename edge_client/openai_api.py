@@ -1,0 +1,305 @@
+"""The OpenAI-compatible shapes of the edge app: requests parsed into typed settings, stop strings cut as
+the OpenAI API cuts them, responses and errors as OpenAI clients read them. No I/O here.
+
+Timings carry llama.cpp server's names (`prompt_n`, `cache_n`, `predicted_n`, `draft_n`,
+`draft_n_accepted`, ...) so tools that read llama-server's figures read ours, plus the speculation's own.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+
+from draftwire.contract import InvalidSampling, SamplingParams
+from edge_client.planner import GenerationStats
+
+MAX_STOP_STRINGS = 4  # as the OpenAI API allows
+
+
+class BadRequest(ValueError):
+    """A request the API refuses with 400; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How one reply is generated: what a request (or a stored conversation) sets."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: a fresh one per reply (reported in the response)
+    stop: tuple[str, ...] = ()
+
+    def sampling(self) -> SamplingParams:
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, seed if self.temperature else 0)
+
+    def as_json(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": list(self.stop),
+        }
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    settings: Settings
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    messages: tuple[dict[str, str], ...] = ()  # chat
+    prompt: str | None = None  # completions
+
+
+def parse_settings(body: dict[str, Any], defaults: Settings) -> Settings:
+    """The generation fields of an OpenAI request over `defaults`; unknown fields are ignored, as
+    OpenAI ignores them. Raises BadRequest naming the first bad field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    s = defaults
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        s = replace(s, max_tokens=_int(max_tokens, "max_tokens", minimum=1))
+    if body.get("temperature") is not None:
+        temperature = _number(body["temperature"], "temperature")
+        if not 0 <= temperature <= 2:
+            raise BadRequest(f"temperature must be in [0, 2], got {temperature}", "temperature")
+        s = replace(s, temperature=temperature)
+    if body.get("top_p") is not None:
+        s = replace(s, top_p=_number(body["top_p"], "top_p"))
+    if body.get("top_k") is not None:
+        s = replace(s, top_k=_int(body["top_k"], "top_k", minimum=0))
+    if body.get("seed") is not None:
+        s = replace(s, seed=_int(body["seed"], "seed", minimum=0))
+    if body.get("stop") is not None:
+        s = replace(s, stop=_stop(body["stop"]))
+    if body.get("n") not in (None, 1):
+        raise BadRequest("only n = 1 is supported", "n")
+    try:
+        replace(s, seed=s.seed or 0).sampling().validate()
+    except InvalidSampling as e:
+        raise BadRequest(str(e), str(e).split()[0]) from None
+    return s
+
+
+def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
+    """POST /v1/chat/completions. Raises BadRequest."""
+    settings = parse_settings(body, defaults)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    return CompletionRequest(settings, *_stream_fields(body), messages=tuple(map(_message, messages)))
+
+
+def parse_completion(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
+    """POST /v1/completions (one prompt string). Raises BadRequest."""
+    settings = parse_settings(body, defaults)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt must be a non-empty string", "prompt")
+    return CompletionRequest(settings, *_stream_fields(body), prompt=prompt)
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    return stream, bool(options.get("include_usage"))
+
+
+def _message(m: Any) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRequest("each message needs a role and a content", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: the text ones, joined
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise BadRequest("only text content parts are supported", "messages")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise BadRequest("message content must be a string or text parts", "messages")
+    return {"role": m["role"], "content": content}
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"{name} must be a finite number", name)
+    return float(value)
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadRequest(f"{name} must be an integer >= {minimum}", name)
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    return tuple(stops)
+
+
+class StopCutter:
+    """Cuts streamed text at the first stop string, as the OpenAI API does: the text before it is
+    returned, the stop string and everything after it never are. Text that could still turn out to begin
+    a stop string is held back until it cannot."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.stopped = False
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        """The text safe to show after this piece ("" once stopped)."""
+        if self.stopped:
+            return ""
+        text = self._held + text
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self._held = True, ""
+            return text[:cut]
+        keep = max((_overlap(text, s) for s in self.stops), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """What is held back, once the text has ended without a stop string."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+# --- responses ---------------------------------------------------------------------------------------
+
+
+def timings(stats: GenerationStats, prompt_tokens: int) -> dict:
+    """llama.cpp server's `timings` object for one reply, plus the speculation's figures."""
+    first = stats.first_token_s or stats.wall_s
+    predicted_s = max(stats.wall_s - first, 1e-9)
+    computed = max(prompt_tokens - stats.reused_positions, 0)
+    return {
+        "cache_n": stats.reused_positions,  # prompt positions the verifier took from its kept cache
+        "prompt_n": computed,
+        "prompt_ms": first * 1000,  # to the first token: the prefill and the first round
+        "prompt_per_token_ms": first * 1000 / computed if computed else 0.0,
+        "prompt_per_second": computed / first if first else 0.0,
+        "predicted_n": stats.generated_tokens,
+        "predicted_ms": predicted_s * 1000,
+        "predicted_per_token_ms": predicted_s * 1000 / stats.generated_tokens
+        if stats.generated_tokens
+        else 0.0,
+        "predicted_per_second": stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0,
+        "draft_n": stats.draft_tokens,
+        "draft_n_accepted": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "rounds": stats.rounds,
+        "tokens_per_round": stats.tokens_per_round,
+        "time_to_first_token_ms": first * 1000,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int, reused: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    }
+
+
+class ResponseShape:
+    """The ids, objects and chunks of one response, chat or text completion."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _base(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, first: bool = False) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if not self.chat:
+            choice.update(text=text or "", logprobs=None)
+        elif chunk:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        return choice
+
+    def chunk(self, text: str | None, first: bool = False) -> dict:
+        return {**self._base(True), "choices": [self._choice(text, None, True, first)]}
+
+    def text_chunk(self, text: str) -> dict:
+        """A streamed piece of a text completion."""
+        return {**self._base(True), "choices": [self._choice(text, None, True)]}
+
+    def final_chunk(self, finish: str, extra: dict) -> dict:
+        """The last chunk with a choice: its finish reason and the reply's figures."""
+        return {
+            **self._base(True),
+            "choices": [self._choice(None if self.chat else "", finish, True)],
+            **extra,
+        }
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {**self._base(True), "choices": [], "usage": usage_}
+
+    def complete(self, text: str, finish: str, usage_: dict, extra: dict) -> dict:
+        return {**self._base(False), "choices": [self._choice(text, finish, False)], "usage": usage_, **extra}
+
+
+# gRPC status of a verifier refusal -> HTTP status; what is not here is the upstream failing (502).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """An OpenAI-shaped error object."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

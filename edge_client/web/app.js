@@ -1,0 +1,175 @@
+// The draftwire edge page: conversations kept by the edge (/api/conversations), replies streamed as
+// server-sent events in the OpenAI chunk format, each reply's figures from its final chunk.
+"use strict";
+const $ = (id) => document.getElementById(id);
+let current = null;      // the open conversation's id
+let controller = null;   // aborts the reply in flight (the Stop button)
+
+async function api(path, options = {}) {
+  const response = await fetch(path, { headers: { "Content-Type": "application/json" }, ...options });
+  if (!response.ok) {
+    let message = response.statusText;
+    try { message = (await response.json()).error.message; } catch (e) { /* not JSON */ }
+    throw new Error(message);
+  }
+  return response.status === 204 ? null : response.json();
+}
+
+function showError(message) {
+  $("error").textContent = message || "";
+  $("error").hidden = !message;
+}
+
+function figuresText(figures) {
+  if (!figures || !figures.timings) return "";
+  const t = figures.timings;
+  const parts = [
+    `${t.predicted_n} tokens`,
+    `acceptance ${Math.round(100 * t.acceptance_rate)}%`,
+    `${t.tokens_per_round.toFixed(2)} tokens/round`,
+    `${t.predicted_per_second.toFixed(1)} tokens/s`,
+    `first token ${Math.round(t.time_to_first_token_ms)} ms`,
+    `prefill ${t.prompt_n} (cached ${t.cache_n})`,
+  ];
+  if (figures.finish_reason === "cancelled") parts.push("stopped");
+  return parts.join(" · ");
+}
+
+function addMessage(role, content, figures) {
+  const div = document.createElement("div");
+  div.className = `msg ${role}`;
+  div.innerHTML = '<div class="who"></div><div class="text"></div><div class="figures"></div>';
+  div.querySelector(".who").textContent = role === "user" ? "you" : "draftwire";
+  div.querySelector(".text").textContent = content;
+  setFigures(div, figures);
+  $("messages").appendChild(div);
+  $("messages").scrollTop = $("messages").scrollHeight;
+  return div;
+}
+
+function setFigures(div, figures) {
+  const el = div.querySelector(".figures");
+  el.textContent = figuresText(figures);
+  el.classList.toggle("cancelled", !!figures && figures.finish_reason === "cancelled");
+}
+
+async function loadList() {
+  const { conversations } = await api("/api/conversations");
+  const ul = $("conversations");
+  ul.innerHTML = "";
+  for (const c of conversations) {
+    const li = document.createElement("li");
+    li.dataset.id = c.id;
+    li.className = c.id === current ? "active" : "";
+    li.innerHTML = '<span></span><button title="Delete">×</button>';
+    li.querySelector("span").textContent = c.title;
+    li.querySelector("span").onclick = () => openConversation(c.id);
+    li.querySelector("button").onclick = async () => {
+      await api(`/api/conversations/${c.id}`, { method: "DELETE" });
+      if (current === c.id) { current = null; $("messages").innerHTML = ""; location.hash = ""; }
+      await loadList();
+    };
+    ul.appendChild(li);
+  }
+  return conversations;
+}
+
+async function openConversation(id) {
+  const c = await api(`/api/conversations/${id}`);
+  current = id;
+  location.hash = id;
+  $("messages").innerHTML = "";
+  for (const m of c.messages) addMessage(m.role, m.content, m.figures);
+  $("temperature").value = c.settings.temperature;
+  $("max-tokens").value = c.settings.max_tokens;
+  await loadList();
+}
+
+async function newConversation() {
+  const c = await api("/api/conversations", { method: "POST", body: "{}" });
+  await openConversation(c.id);
+}
+
+async function send(text) {
+  if (!current) await newConversation();
+  showError("");
+  addMessage("user", text);
+  const reply = addMessage("assistant", "");
+  const out = reply.querySelector(".text");
+  controller = new AbortController();
+  $("send").hidden = true; $("stop").hidden = false;
+  const settings = { temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
+  try {
+    const response = await fetch(`/api/conversations/${current}/messages`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ content: text, stream: true, settings }),
+      signal: controller.signal,
+    });
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({ error: { message: response.statusText } }));
+      throw new Error(body.error.message);
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end).replace(/^data: /, "");
+        buffer = buffer.slice(end + 2);
+        if (event === "[DONE]") continue;
+        const chunk = JSON.parse(event);
+        if (chunk.error) throw new Error(chunk.error.message);
+        const choice = chunk.choices && chunk.choices[0];
+        if (choice && choice.delta && choice.delta.content) {
+          out.textContent += choice.delta.content;
+          $("messages").scrollTop = $("messages").scrollHeight;
+        }
+        if (choice && choice.finish_reason) setFigures(reply, { ...chunk, finish_reason: choice.finish_reason });
+      }
+    }
+  } catch (e) {
+    if (e.name === "AbortError") {
+      reply.querySelector(".figures").textContent = "stopped";
+    } else {
+      showError(e.message);
+    }
+  } finally {
+    controller = null;
+    $("send").hidden = false; $("stop").hidden = true;
+    await loadList();
+  }
+}
+
+$("composer").onsubmit = (event) => {
+  event.preventDefault();
+  const text = $("input").value;
+  if (!text.trim() || controller) return;
+  $("input").value = "";
+  send(text);
+};
+$("input").onkeydown = (event) => {
+  if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("composer").requestSubmit(); }
+};
+$("stop").onclick = () => controller && controller.abort();
+$("new-chat").onclick = () => newConversation();
+
+(async function start() {
+  try {
+    const models = await api("/v1/models");
+    const m = models.data[0];
+    $("model").textContent = `${m.id}, verified remotely (${m.meta.verifier}); draft ${m.meta.draft} on this device`;
+  } catch (e) {
+    $("model").textContent = "";
+    showError(`verifier: ${e.message}`);
+  }
+  $("temperature").value = 0.7;
+  $("max-tokens").value = 256;
+  const conversations = await loadList();
+  const wanted = location.hash.slice(1) || (conversations[0] && conversations[0].id);
+  if (wanted && conversations.some((c) => c.id === wanted)) await openConversation(wanted);
+})();
