@@ -232,6 +232,7 @@ def _add_edge_app(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--db", type=Path, default=None, help="conversations (default: $XDG_DATA_HOME/draftwire/edge.sqlite3)"
     )
+    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads of the draft (0: its choice)")
     _add_speculation(p)
     defaults = Settings()
     p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="when a request sets none")
@@ -368,10 +369,10 @@ def _channel(address: str) -> grpc.aio.Channel:
     return wire.insecure_channel(address)
 
 
-def _drafter(path: Path):
+def _drafter(path: Path, threads: int = 0):
     from edge_client.drafter import DrafterConfig, LlamaDrafter
 
-    return LlamaDrafter(DrafterConfig(model_path=path))
+    return LlamaDrafter(DrafterConfig(model_path=path, n_threads=threads))
 
 
 def _emit(args, token_ids: list[int], text: str, stats: dict) -> None:
@@ -477,7 +478,7 @@ def _edge_config(args, server: str):
 def _edge(args) -> int:
     from edge_client.app import serve
 
-    drafter = _drafter(args.draft)
+    drafter = _drafter(args.draft, args.threads)
     config = _edge_config(args, args.server)
 
     def ready(url: str) -> None:

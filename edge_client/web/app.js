@@ -85,8 +85,12 @@ async function openConversation(id) {
   await loadList();
 }
 
+function settings() {
+  return { temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
+}
+
 async function newConversation() {
-  const c = await api("/api/conversations", { method: "POST", body: "{}" });
+  const c = await api("/api/conversations", { method: "POST", body: JSON.stringify({ settings: settings() }) });
   await openConversation(c.id);
 }
 
@@ -98,12 +102,11 @@ async function send(text) {
   const out = reply.querySelector(".text");
   controller = new AbortController();
   $("send").hidden = true; $("stop").hidden = false;
-  const settings = { temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
   try {
     const response = await fetch(`/api/conversations/${current}/messages`, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ content: text, stream: true, settings }),
+      body: JSON.stringify({ content: text, stream: true, settings: settings() }),
       signal: controller.signal,
     });
     if (!response.ok) {

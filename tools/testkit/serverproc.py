@@ -66,7 +66,29 @@ class ServerProcess:
         self.stop()
 
 
-class EdgeProcess(ServerProcess):
+class ChildProcess(ServerProcess):
+    def __init__(
+        self,
+        argv: list[str],
+        pattern: str,
+        timeout: float = 120,
+        cpus: tuple[int, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
+        """Starts `argv`, pinned to `cpus` when given; ready once a line of its output matches
+        `pattern`, whose first group is `found`. Raises RuntimeError when it does not come up."""
+        self.proc = subprocess.Popen(
+            argv,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.found = _wait_for(self, pattern, timeout)
+
+
+class EdgeProcess(ChildProcess):
     def __init__(
         self,
         server: str,
@@ -75,28 +97,13 @@ class EdgeProcess(ServerProcess):
         db: Path,
         timeout: float = 120,
         executable: str = DRAFTWIRE,
+        cpus: tuple[int, ...] = (),
     ):
-        """Starts `executable edge` against the verifier at `server` on a free loopback port, keeping
-        conversations in `db`; `url` is its base URL. Raises RuntimeError when it does not come up."""
-        self.proc = subprocess.Popen(
-            [
-                executable,
-                "edge",
-                "--server",
-                server,
-                "--draft",
-                str(draft),
-                "--port",
-                "0",
-                "--db",
-                str(db),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.url = _wait_for(self, r"draftwire edge: (http://\S+/)", timeout)
+        """`executable edge` against the verifier at `server` on a free loopback port, keeping
+        conversations in `db`; `url` is its base URL."""
+        argv = [executable, "edge", "--server", server, "--draft", str(draft), "--port", "0", "--db", str(db)]
+        super().__init__([*argv, *extra], r"draftwire edge: (http://\S+/)", timeout, cpus)
+        self.url = self.found
 
 
 def _wait_for(server: ServerProcess, pattern: str, timeout: float) -> str:
