@@ -1,5 +1,6 @@
 """Conversation caches on the verifier: a finished session's KV cache is kept (memory budget, least recently
 used first, time limit) and a new session whose tokens extend it starts from it; the output is unchanged.
+The edge's draft keeps its llama.cpp cache across turns likewise.
 """
 
 import asyncio
@@ -89,6 +90,13 @@ def test_a_five_turn_conversation_equals_each_turn_from_scratch(demo_server):
     computes only those, and every turn equals the target alone from an empty cache."""
     loop, address = demo_server
     drafter = LlamaDrafter(DrafterConfig(DEMO / "draft-q8_0.gguf"))
+    evals, run_eval = [], drafter._eval
+
+    def counted_eval(tokens):  # the sizes of the draft's llama.cpp evaluations
+        evals.append(len(tokens))
+        run_eval(tokens)
+
+    drafter._eval = counted_eval
     turns = [drafter.tokenize(f" turn {i}: say more about lists and sums") for i in range(5)]
     sampling = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
 
@@ -99,7 +107,9 @@ def test_a_five_turn_conversation_equals_each_turn_from_scratch(demo_server):
             for user in turns:
                 prompt = context + user
                 request = GenerationRequest(tuple(prompt), params, 24, gamma=3, ignore_eos=True, pipeline=1)
+                evals.clear()
                 generated, stats = await session.run(request)
+                stats.first_draft_eval = evals[0]
                 out.append((prompt, generated, stats))
                 context = prompt + generated
             server_stats = await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
@@ -118,5 +128,9 @@ def test_a_five_turn_conversation_equals_each_turn_from_scratch(demo_server):
             assert stats.reused_positions >= previous - 1
             prefill = len(prompt) - 1 - stats.reused_positions
             assert prefill <= len(turns[i])
+            # The draft's llama.cpp cache kept the history too: a turn's first draft evaluates the new
+            # turn's tokens and the end of the last reply that its cache holds otherwise (the target's
+            # last token, drafts it rejected: at most gamma + 1), not the conversation again.
+            assert stats.first_draft_eval <= len(turns[i]) + 3 + 1 < len(prompt) // 2
         assert server_stats.reused_positions > 0 and server_stats.kept_caches >= 1
         assert server_stats.cache_bytes > 0
