@@ -18,7 +18,13 @@ from cluster.pool import NoReplica, Pool
 from cluster.routing import State
 from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
-from verifier_service.servicer import SERVICE, ServerConfig, add_health_and_reflection, bind_and_start
+from verifier_service.servicer import (
+    SERVICE,
+    ServerConfig,
+    add_health_and_reflection,
+    bind_and_start,
+    start_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,28 @@ _SUMMED = (
     "engine_batches",
     "engine_forwards",
     "engine_seconds",
+    "reused_positions",
+    "kept_caches",
+    "cache_bytes",
+    "drafts",
+    "draft_tokens",
+    "accepted_tokens",
+    "stale_proposals",
 )
+_SUMMED_LISTS = ("accepted_per_position", "batch_seconds_counts", "batch_size_counts")
+
+
+def add_stats(total: pb.ServerStats, reply: pb.ServerStats) -> None:
+    """Adds a replica's counters to the pool's: scalars, lists element by element, refusals by code."""
+    for name in _SUMMED:
+        setattr(total, name, getattr(total, name) + getattr(reply, name))
+    for name in _SUMMED_LISTS:
+        mine, theirs = getattr(total, name), getattr(reply, name)
+        mine.extend([0] * (len(theirs) - len(mine)))
+        for i, value in enumerate(theirs):
+            mine[i] += value
+    for code, count in reply.refusals.items():
+        total.refusals[code] += count
 
 
 class Front:
@@ -62,6 +89,13 @@ class Front:
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
         self._health = add_health_and_reflection(self.server)
         port = await bind_and_start(self.server, self.config.host, self.config.port)
+        if self.config.metrics_port is not None:
+            loop = asyncio.get_running_loop()
+
+            def snapshot() -> pb.ServerStats:  # on the metrics server's thread
+                return asyncio.run_coroutine_threadsafe(self._stats(pb.StatsRequest(), None), loop).result(15)
+
+            start_metrics(snapshot, self.config.host, self.config.metrics_port)
         self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
         return port
 
@@ -116,8 +150,7 @@ class Front:
             if isinstance(reply, BaseException):
                 log.warning("GetStats from a replica failed: %s", reply)
                 continue
-            for name in _SUMMED:
-                setattr(total, name, getattr(total, name) + getattr(reply, name))
+            add_stats(total, reply)
         if total.generated_tokens:
             total.target_positions_per_token = total.round_positions / total.generated_tokens
         return total

@@ -87,6 +87,8 @@ class Verdict:
     stale: bool  # the proposal built on tokens that were not committed; nothing happened
     committed_length: int
     target_positions: int  # positions the target computed for this session, prefill included
+    verify_seconds: float = 0.0  # the verifying forward pass's duration (0 when stale)
+    batch_size: int = 0  # sessions that shared that forward pass (0 when stale)
 
     @property
     def committed_token_ids(self) -> tuple[int, ...]:
@@ -133,3 +135,13 @@ def stop_set(stop_token_ids: Collection[int], ignore_eos: bool, eos_token_ids: C
 def generation_budget(max_new_tokens: int, max_context: int, prompt_length: int) -> int:
     """How many tokens a session may generate: max_new_tokens, or (0) until the context is full."""
     return max_new_tokens or max_context - prompt_length
+
+
+# Bucket bounds of the verifier's engine-batch histograms (ServerStats.batch_*_counts, the metrics).
+BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def bucket(bounds: tuple[float, ...], value: float) -> int:
+    """Index of the first bucket whose upper bound holds `value`; len(bounds) is the open-ended one."""
+    return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))

@@ -95,6 +95,8 @@ def verdict_to_proto(v: Verdict) -> pb.Verdict:
         stale=v.stale,
         committed_length=v.committed_length,
         target_positions=v.target_positions,
+        verify_seconds=v.verify_seconds,
+        batch_size=v.batch_size,
     )
 
 
@@ -108,6 +110,8 @@ def verdict_from_proto(v: pb.Verdict) -> Verdict:
         stale=v.stale,
         committed_length=v.committed_length,
         target_positions=v.target_positions,
+        verify_seconds=v.verify_seconds,
+        batch_size=v.batch_size,
     )
 
 

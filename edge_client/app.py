@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from draftwire import wire
 from edge_client.chat import render_chat, special_piece
@@ -123,9 +124,11 @@ class EdgeApp:
         self.lock = asyncio.Lock()
         self.channel: grpc.aio.Channel | None = None
         self.session: EdgeSession | None = None
+        self.metrics = EdgeMetrics()
 
     def web_app(self) -> web.Application:
         app = web.Application(client_max_size=4 << 20, middlewares=[errors])
+        app[METRICS] = self.metrics
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         app.add_routes(
@@ -133,6 +136,7 @@ class EdgeApp:
                 web.get("/", self.page),
                 web.static("/static", WEB),
                 web.get("/health", self.health),
+                web.get("/metrics", self.metrics.page),
                 web.get("/v1/models", self.models),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/v1/completions", self.completions),
@@ -358,12 +362,54 @@ class EdgeApp:
                     log.info("client disconnected mid-reply")
                 return response
         finally:
+            self.metrics.reply(outcome)
             if on_done is not None and (outcome.generated or outcome.finish_reason != "cancelled"):
                 on_done(outcome)
 
     @staticmethod
     def _usage(outcome: Outcome) -> dict:
         return usage(len(outcome.prompt_ids), len(outcome.generated), outcome.stats.reused_positions)
+
+
+class EdgeMetrics:
+    """The app's Prometheus metrics at /metrics: its replies, as the edge sees them (the verifier's own
+    are on its --metrics-port). The speculation counters carry vLLM's names, like the verifier's."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r, p = self.registry, "draftwire:"
+        self.drafts = Counter(p + "spec_decode_num_drafts", "Verified proposals.", registry=r)
+        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.generated = Counter(p + "edge_generated_tokens", "Tokens of the replies.", registry=r)
+        self.replies = Counter(p + "edge_replies", "Replies by finish reason.", ["finish_reason"], registry=r)
+        self.errors = Counter(
+            p + "edge_errors", "Requests answered with an error, by HTTP status.", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            p + "edge_time_to_first_token_seconds",
+            "From a reply's start to its first verified token.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+
+    def reply(self, outcome: Outcome) -> None:
+        stats = outcome.stats
+        self.drafts.inc(stats.rounds)
+        self.draft_tokens.inc(stats.draft_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.generated.inc(len(outcome.generated))
+        self.replies.labels(outcome.finish_reason).inc()
+        if stats.first_token_s is not None:
+            self.ttft.observe(stats.first_token_s)
+
+    async def page(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+
+METRICS = web.AppKey("metrics", EdgeMetrics)
 
 
 class _TextStream:
@@ -407,6 +453,13 @@ async def _json(request: web.Request) -> dict:
 async def errors(request: web.Request, handler):
     """OpenAI-shaped errors with the right status: 400 for bad input (the verifier's INVALID_ARGUMENT with
     its message), 404 for an unknown conversation, 503 when the verifier cannot be reached."""
+    response = await _answer_errors(request, handler)
+    if response.status >= 400:
+        request.app[METRICS].errors.labels(str(response.status)).inc()
+    return response
+
+
+async def _answer_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as e:

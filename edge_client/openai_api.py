@@ -225,6 +225,8 @@ def timings(stats: GenerationStats, prompt_tokens: int) -> dict:
         "rounds": stats.rounds,
         "tokens_per_round": stats.tokens_per_round,
         "time_to_first_token_ms": first * 1000,
+        "verify_ms": stats.verify_s * 1000,  # the verifier's forward passes for these rounds
+        "mean_batch_size": stats.batched_with / stats.rounds if stats.rounds else 0.0,
     }
 
 

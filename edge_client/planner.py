@@ -62,6 +62,8 @@ class GenerationStats:
     reused_positions: int = 0  # prefill positions the verifier took from a kept cache (last open)
     first_token_s: float | None = None  # from the start to the first committed token
     started_at: float = 0.0  # perf_counter() when the generation started
+    verify_s: float = 0.0  # the verifier's forward passes for this generation's rounds, as it reports
+    batched_with: int = 0  # sum over rounds of the sessions that shared the round's forward pass
     wall_s: float = 0.0
     draft_s: float = 0.0  # time spent drafting on the edge
     round_s: list[float] = field(default_factory=list)  # send to verdict, per verified round
@@ -202,6 +204,8 @@ class Planner:
         self.stats.accepted_tokens += verdict.accepted
         self.stats.generated_tokens += len(new)
         self.stats.target_positions = verdict.target_positions
+        self.stats.verify_s += verdict.verify_seconds
+        self.stats.batched_with += verdict.batch_size
         self.finished = verdict.finish is not None
         return new
 

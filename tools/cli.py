@@ -110,6 +110,12 @@ def parser() -> argparse.ArgumentParser:
         help="memory for finished sessions' KV caches, kept for the next turn of a conversation (0: none)",
     )
     p.add_argument("--prefix-cache-ttl", type=float, default=600, help="seconds a kept cache lives unused")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (with --ray: the pool's, from the front)",
+    )
     _add_target_numerics(p)
     ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
     ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
@@ -155,6 +161,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True)
     p.add_argument("--draft", type=Path, required=True)
     _add_chat(p)
+
+    p = sub.add_parser("top", help="live figures of a verifier or a pool's front (GetStats)")
+    p.add_argument("server", help="HOST:PORT of the verifier or the front")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one JSON snapshot and exit")
 
     p = sub.add_parser(
         "edge", help="the device's chat app: an OpenAI-compatible API and a web page on localhost"
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "reference": _reference,
             "chat": _chat,
             "edge": _edge,
+            "top": _top,
             "demo": _demo,
             "bench": _bench,
             "models": _models,
@@ -274,7 +286,8 @@ def _serve(args) -> int:
         args.max_message_bytes,
         VerifierLimits(max_gamma=args.max_gamma),
         BatchConfig(max_batch=args.max_batch, window_s=args.batch_window_ms / 1000),
-        PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
+        metrics_port=args.metrics_port,
+        prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
     )
     if args.ray:
         return _serve_pool(args, config)
@@ -306,6 +319,8 @@ async def _serve_until_signal(engine, config) -> None:
 
     server, port = await start_server(engine, config)
     print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
+    if config.metrics_port is not None:
+        print(f"draftwire: metrics on http://{config.host}:{config.metrics_port}/metrics", flush=True)
     await wait_for_stop_signal()
     await server.stop(grace=2.0)
 
@@ -320,7 +335,7 @@ def _serve_pool(args, server) -> int:
     config = PoolConfig(
         replica=ReplicaConfig(
             target_dir=args.target.resolve(),
-            server=dataclasses.replace(server, host=args.replica_host, port=0),
+            server=dataclasses.replace(server, host=args.replica_host, port=0, metrics_port=None),
             num_cpus=args.replica_cpus,
             dtype=args.dtype,
             invariant=args.invariant,
@@ -486,6 +501,12 @@ def _edge(args) -> int:
 
     asyncio.run(serve(config, drafter, args.host, args.port, args.draft.name, ready))
     return 0
+
+
+def _top(args) -> int:
+    from tools.top import run
+
+    return run(args.server, args.interval, args.once)
 
 
 def _bench(args) -> int:

@@ -11,12 +11,12 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from draftwire.contract import TargetInfo
+from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, TargetInfo, bucket
 from verifier_service.engine import Forward
 
 
@@ -46,6 +46,19 @@ class BatchStats:
     batches: int = 0  # engine calls
     forwards: int = 0  # session forwards inside them
     seconds: float = 0.0  # wall time of the engine calls
+    # Engine calls per bucket of duration and of size (draftwire.contract's bounds, one open bucket).
+    seconds_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SECONDS_BUCKETS) + 1))
+    size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
+    last: dict[str, tuple[float, int]] = field(default_factory=dict)  # key -> its last batch's (s, size)
+
+    def record(self, keys: list[str], seconds: float) -> None:
+        self.batches += 1
+        self.forwards += len(keys)
+        self.seconds += seconds
+        self.seconds_counts[bucket(BATCH_SECONDS_BUCKETS, seconds)] += 1
+        self.size_counts[bucket(BATCH_SIZE_BUCKETS, len(keys))] += 1
+        for key in keys:
+            self.last[key] = (seconds, len(keys))
 
 
 class Batcher:
@@ -94,6 +107,7 @@ class Batcher:
     def _adopt(self, key: str, token_ids: Sequence[int], releases: list[str]) -> int:
         for k in releases:
             self.engine.release(k)
+            self.stats.last.pop(k, None)
         return self.engine.adopt(key, token_ids)
 
     async def call(self, fn, *args):
@@ -160,9 +174,8 @@ class Batcher:
             start = time.perf_counter()
             results = self.engine.forward_many(forwards)
             self._last_batch_s = time.perf_counter() - start
-            self.stats.seconds += self._last_batch_s
-            self.stats.batches += 1
-            self.stats.forwards += len(forwards)
+            self.stats.record([f.key for f in forwards], self._last_batch_s)
         for key in releases:
             self.engine.release(key)
+            self.stats.last.pop(key, None)
         return results

@@ -7,6 +7,7 @@ wire and a session's KV cache is only touched by that thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import signal
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from draftwire import wire
 from draftwire.contract import ModelInfo
+from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service.batcher import BatchConfig, Batcher
@@ -44,6 +47,7 @@ class ServerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES  # larger messages are refused with RESOURCE_EXHAUSTED
     limits: VerifierLimits = VerifierLimits()
     batch: BatchConfig = BatchConfig()
+    metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port (None: off)
     # Finished sessions' caches kept for the next turn of a conversation: 1 GiB for 10 minutes.
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig(budget_bytes=1 << 30, ttl_s=600.0)
 
@@ -55,6 +59,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.stats = VerifierStats()
         engine.keep_finished(config.prefix_cache)
         self.batcher = Batcher(engine, config.batch)
+        self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
         self._keys = itertools.count(1)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
@@ -63,7 +68,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         )
 
     async def GetStats(self, request, context) -> pb.ServerStats:
-        s = self.stats
+        return self.stats_proto()
+
+    def stats_proto(self) -> pb.ServerStats:
+        """This process's counters (GetStats, and the Prometheus metrics)."""
+        s, b = self.stats, self.batcher.stats
         return pb.ServerStats(
             active_sessions=self.engine.active_sessions,
             sessions_opened=s.sessions_opened,
@@ -72,12 +81,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             round_positions=s.round_positions,
             prefill_positions=s.prefill_positions,
             target_positions_per_token=s.target_positions_per_token,
-            engine_batches=self.batcher.stats.batches,
-            engine_forwards=self.batcher.stats.forwards,
-            engine_seconds=self.batcher.stats.seconds,
+            engine_batches=b.batches,
+            engine_forwards=b.forwards,
+            engine_seconds=b.seconds,
             reused_positions=s.reused_positions,
             kept_caches=len(self.engine.prefix_cache),
             cache_bytes=self.engine.cache_bytes,
+            drafts=s.drafts,
+            draft_tokens=s.draft_tokens,
+            accepted_tokens=s.accepted_tokens,
+            accepted_per_position=s.accepted_per_position,
+            stale_proposals=s.stale_proposals,
+            refusals=self.refusals,
+            batch_seconds_counts=b.seconds_counts,
+            batch_size_counts=b.size_counts,
         )
 
     async def Session(self, request_iterator, context):
@@ -111,9 +128,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
         except SessionError as e:
             log.info("session %s refused: %s", key, e)
+            self.refusals[_STATUS[type(e)].name] += 1
             await context.abort(_STATUS[type(e)], str(e))
         except Exception as e:  # a bug or a device failure: end this session only, say so
             log.exception("session %s failed", key)
+            self.refusals[grpc.StatusCode.INTERNAL.name] += 1
             await context.abort(grpc.StatusCode.INTERNAL, f"verifier error: {type(e).__name__}: {e}")
         finally:
             # Queued behind any forward of this key, so nothing outlives the release.
@@ -126,12 +145,24 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[grpc
     Raises RuntimeError when the address cannot be bound.
     """
     server = grpc.aio.server(options=wire.message_size_options(config.max_message_bytes))
-    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, config), server)
+    servicer = VerifierServicer(engine, config)
+    pb_grpc.add_VerifierServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server)
     port = await bind_and_start(server, config.host, config.port)
+    if config.metrics_port is not None:
+        start_metrics(servicer.stats_proto, config.host, config.metrics_port)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
+
+
+def start_metrics(snapshot, host: str, port: int) -> int:
+    """Serves Prometheus metrics made from `snapshot()` (a ServerStats) at http://host:port/metrics, on
+    a thread of prometheus_client's; returns the bound port. Raises OSError when it cannot bind."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(snapshot))
+    httpd, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
+    return httpd.server_port
 
 
 def add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServicer:

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,6 +68,13 @@ class VerifierStats:
     round_positions: int = 0
     prefill_positions: int = 0
     reused_positions: int = 0  # prefill positions taken from kept caches instead of computed
+    drafts: int = 0  # verified proposals with at least one draft token
+    draft_tokens: int = 0  # their draft tokens the target verified (those past the budget are not)
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(
+        default_factory=list
+    )  # [i]: proposals whose draft i was accepted
+    stale_proposals: int = 0
 
     @property
     def target_positions_per_token(self) -> float:
@@ -204,6 +211,7 @@ class VerifierSession:
             raise WrongState(f"session finished ({self.finish.value}); no proposal is accepted after that")
         self.last_round = proposal.round
         if stale:
+            self.stats.stale_proposals += 1
             return self._verdict(proposal, 0, None, stale=True)
         budget = self.max_new_tokens - len(self.generated)
         # Draft tokens past the budget could never be committed: do not spend the target on them.
@@ -224,16 +232,28 @@ class VerifierSession:
         self.committed += [*begun.draft[:accepted], *([target_token] if target_token is not None else [])]
         positions = len(begun.forward.token_ids)
         self.target_positions += positions
-        self.stats.rounds += 1
-        self.stats.round_positions += positions
-        self.stats.generated_tokens += len(self.committed) - length
-        return self._verdict(begun.proposal, accepted, target_token)
+        stats = self.stats
+        stats.rounds += 1
+        stats.round_positions += positions
+        stats.generated_tokens += len(self.committed) - length
+        if begun.draft:
+            stats.drafts += 1
+            stats.draft_tokens += len(begun.draft)
+            stats.accepted_tokens += accepted
+            per_position = stats.accepted_per_position
+            per_position += [0] * (accepted - len(per_position))
+            for i in range(accepted):
+                per_position[i] += 1
+        verify_seconds, batch_size = self.batcher.stats.last.get(self.key, (0.0, 0))
+        return self._verdict(begun.proposal, accepted, target_token, verify=(verify_seconds, batch_size))
 
     def close(self) -> None:
         """Frees the session's KV cache after its queued forwards; safe to call twice."""
         self.batcher.release(self.key)
 
-    def _verdict(self, proposal: Proposal, accepted: int, target_token: int | None, stale=False) -> Verdict:
+    def _verdict(
+        self, proposal: Proposal, accepted: int, target_token: int | None, stale=False, verify=(0.0, 0)
+    ) -> Verdict:
         return Verdict(
             round=proposal.round,
             start_position=proposal.start_position,
@@ -243,6 +263,8 @@ class VerifierSession:
             stale=stale,
             committed_length=len(self.committed),
             target_positions=self.target_positions,
+            verify_seconds=verify[0],
+            batch_size=verify[1],
         )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:

@@ -251,3 +251,31 @@ def _conversation_survives_a_kill(edge, verifier, db):
         )
         assert urllib.request.urlopen(request).status == 204
         assert _get(again.url + f"api/conversations/{conversation['id']}")[0] == 404
+
+
+def _metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url + "metrics", timeout=30).read().decode()
+    return {
+        s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_apps_metrics_count_its_replies_and_errors(edge, client):
+    before = _metrics(edge.url)
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=0)
+    _post(edge.url + "v1/completions", {"prompt": PROMPT, "top_k": -1})
+    after = _metrics(edge.url)
+    delta = lambda name: after.get(name, 0) - before.get(name, 0)  # noqa: E731
+    timings = reply.model_extra["timings"]
+    assert delta("draftwire:spec_decode_num_drafts_total") == timings["rounds"]
+    assert delta("draftwire:spec_decode_num_draft_tokens_total") == timings["draft_n"]
+    assert delta("draftwire:spec_decode_num_accepted_tokens_total") == timings["draft_n_accepted"]
+    assert delta("draftwire:edge_generated_tokens_total") == 12
+    assert delta("draftwire:edge_replies_total{finish_reason=length}") == 1
+    assert delta("draftwire:edge_errors_total{status=400}") == 1
+    assert delta("draftwire:edge_time_to_first_token_seconds_count") == 1
+    assert timings["verify_ms"] > 0 and timings["mean_batch_size"] >= 1
