@@ -45,6 +45,7 @@ _SUMMED = (
     "draft_tokens",
     "accepted_tokens",
     "stale_proposals",
+    "thin_sessions",
 )
 _SUMMED_LISTS = ("accepted_per_position", "batch_seconds_counts", "batch_size_counts")
 

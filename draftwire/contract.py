@@ -50,6 +50,14 @@ class SamplingParams:
         return self
 
 
+class Drafting(Enum):
+    """Who drafts for a session (OpenSession.drafting)."""
+
+    EDGE = "edge"  # the edge proposes
+    NONE = "none"  # thin: the verifier decodes with the target alone
+    NGRAM = "ngram"  # thin: the verifier drafts by prompt lookup (draftwire/ngram.py)
+
+
 class Finish(Enum):
     STOP = "stop"  # an end-of-sequence or stop token was committed
     LENGTH = "length"  # the token budget is spent
@@ -67,6 +75,12 @@ class SessionSpec:
     generated_token_ids: tuple[int, ...] = ()  # generated earlier; resuming re-prefills them
     tokenizer_fingerprint: str = ""  # the edge's vocabulary; empty skips the check
     vocab_size: int = 0  # the edge's vocabulary size, for the error message
+    drafting: Drafting = Drafting.EDGE  # who drafts
+
+    @property
+    def thin(self) -> bool:
+        """The verifier decodes this session itself (no drafts from the edge)."""
+        return self.drafting is not Drafting.EDGE
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,12 @@ class Verdict:
     target_positions: int  # positions the target computed for this session, prefill included
     verify_seconds: float = 0.0  # the verifying forward pass's duration (0 when stale)
     batch_size: int = 0  # sessions that shared that forward pass (0 when stale)
+    server_draft_token_ids: tuple[int, ...] = ()  # a thin session's server drafts this round
+
+    @property
+    def thin_committed(self) -> tuple[int, ...]:
+        """In a thin session: every token this verdict commits (accepted server drafts, then the target's)."""
+        return (*self.server_draft_token_ids[: self.accepted], *self.committed_token_ids)
 
     @property
     def committed_token_ids(self) -> tuple[int, ...]:

@@ -8,13 +8,28 @@ from __future__ import annotations
 
 import grpc
 
-from draftwire.contract import Finish, ModelInfo, Proposal, SamplingParams, SessionSpec, TargetInfo, Verdict
+from draftwire.contract import (
+    Drafting,
+    Finish,
+    ModelInfo,
+    Proposal,
+    SamplingParams,
+    SessionSpec,
+    TargetInfo,
+    Verdict,
+)
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.vocab import Vocabulary
 
 # The largest message either side receives by default: a prompt of ~250k ids, or a chat template.
 MAX_MESSAGE_BYTES = 1 << 20
 
+_DRAFTING = {
+    Drafting.EDGE: pb.DRAFTING_EDGE,
+    Drafting.NONE: pb.DRAFTING_NONE,
+    Drafting.NGRAM: pb.DRAFTING_NGRAM,
+}
+_DRAFTING_BACK = {v: k for k, v in _DRAFTING.items()}
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     Finish.STOP: pb.FINISH_REASON_STOP,
@@ -56,6 +71,7 @@ def spec_to_proto(spec: SessionSpec) -> pb.OpenSession:
         tokenizer_fingerprint=spec.tokenizer_fingerprint,
         vocab_size=spec.vocab_size,
         generated_token_ids=spec.generated_token_ids,
+        drafting=_DRAFTING[spec.drafting],
     )
 
 
@@ -69,6 +85,7 @@ def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
         generated_token_ids=tuple(m.generated_token_ids),
         tokenizer_fingerprint=m.tokenizer_fingerprint,
         vocab_size=m.vocab_size,
+        drafting=_DRAFTING_BACK.get(m.drafting, Drafting.EDGE),
     )
 
 
@@ -97,6 +114,7 @@ def verdict_to_proto(v: Verdict) -> pb.Verdict:
         target_positions=v.target_positions,
         verify_seconds=v.verify_seconds,
         batch_size=v.batch_size,
+        server_draft_token_ids=v.server_draft_token_ids,
     )
 
 
@@ -112,6 +130,7 @@ def verdict_from_proto(v: pb.Verdict) -> Verdict:
         target_positions=v.target_positions,
         verify_seconds=v.verify_seconds,
         batch_size=v.batch_size,
+        server_draft_token_ids=tuple(v.server_draft_token_ids),
     )
 
 

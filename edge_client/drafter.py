@@ -27,7 +27,22 @@ class DrafterConfig:
     n_threads: int = 0  # 0: llama.cpp's choice for this machine
 
 
-class LlamaDrafter:
+class VocabOnly:
+    """A GGUF's vocabulary alone (llama.cpp's vocab_only: no weights): how a thin client, which drafts
+    nothing, tokenizes its text and reads the verifier's tokens back."""
+
+    def __init__(self, model_path: Path):
+        self.llm = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+        self.vocabulary: Vocabulary = vocabulary_from_llama(self.llm)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+
+    def detokenize(self, token_ids: Sequence[int]) -> bytes:
+        return self.llm.detokenize(list(token_ids))
+
+
+class LlamaDrafter(VocabOnly):
     def __init__(self, config: DrafterConfig):
         """Loads the GGUF; raises ValueError (from llama-cpp-python) when it cannot."""
         self.config = config
@@ -56,13 +71,6 @@ class LlamaDrafter:
     @property
     def n_ctx(self) -> int:
         return self.llm.n_ctx()
-
-    def tokenize(self, text: str) -> list[int]:
-        """The draft tokenizer's ids for `text`, as the GGUF says (BOS only if it asks for one)."""
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
-
-    def detokenize(self, token_ids: Sequence[int]) -> bytes:
-        return self.llm.detokenize(list(token_ids))
 
     def propose(
         self,

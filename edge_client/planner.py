@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from draftwire.contract import (
+    Drafting,
     ModelInfo,
     Proposal,
     SamplingParams,
@@ -35,6 +36,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     pipeline: int = 0  # proposals sent ahead of their verdicts; 0 waits for every verdict
+    drafting: Drafting = Drafting.EDGE  # NONE or NGRAM: a thin session, the verifier decodes it
 
     def spec(self, generated: Sequence[int] = (), fingerprint: str = "", vocab_size: int = 0) -> SessionSpec:
         """The session to open for this request, resuming after `generated` tokens."""
@@ -47,6 +49,7 @@ class GenerationRequest:
             generated_token_ids=tuple(generated),
             tokenizer_fingerprint=fingerprint,
             vocab_size=vocab_size,
+            drafting=self.drafting,
         )
 
 

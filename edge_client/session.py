@@ -54,9 +54,18 @@ class VerifierError(Exception):
 class EdgeSession:
     """Runs generations against one verifier channel with one drafter."""
 
-    def __init__(self, channel: grpc.aio.Channel, drafter: Drafter, max_resumes: int = 3):
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        drafter: Drafter | None,
+        max_resumes: int = 3,
+        vocabulary: Vocabulary | None = None,
+    ):
+        """`drafter` None: a thin client, whose requests must ask the verifier to decode (drafting NONE
+        or NGRAM); `vocabulary` then names the vocabulary its prompt ids are in, if it knows it."""
         self.stub = pb_grpc.VerifierStub(channel)
         self.drafter = drafter
+        self.vocabulary = drafter.vocabulary if drafter is not None else vocabulary
         self.max_resumes = max_resumes  # re-opens after UNAVAILABLE, per generation
         self._info: ModelInfo | None = None
 
@@ -87,7 +96,10 @@ class EdgeSession:
             while True:
                 try:
                     # Closed at once when the caller stops reading: the stream is cancelled on the verifier.
-                    async with contextlib.aclosing(self._stream(request, stats, generated)) as stream:
+                    stream = (self._thin_stream if request.spec().thin else self._stream)(
+                        request, stats, generated
+                    )
+                    async with contextlib.aclosing(stream) as stream:
                         async for new in stream:
                             yield new
                     return
@@ -160,6 +172,39 @@ class EdgeSession:
             inbox.close()
             call.cancel()
 
+    async def _thin_stream(
+        self, request: GenerationRequest, stats: GenerationStats, generated: list[int]
+    ) -> AsyncIterator[list[int]]:
+        """One thin Session stream: the open, then the verdicts of the rounds the verifier plays itself."""
+        await self.model_info()
+        call = self.stub.Session()
+        inbox = _Inbox(call, stats)
+        try:
+            await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated)), stats)
+            await call.done_writing()
+            finish = None
+            while finish is None:
+                verdict = await inbox.get()
+                new = list(verdict.thin_committed)
+                stats.rounds += 1
+                stats.draft_tokens += len(verdict.server_draft_token_ids)
+                stats.accepted_tokens += verdict.accepted
+                stats.generated_tokens += len(new)
+                stats.target_positions = verdict.target_positions
+                stats.verify_s += verdict.verify_seconds
+                stats.batched_with += verdict.batch_size
+                finish = verdict.finish
+                if new:
+                    if stats.first_token_s is None:
+                        stats.first_token_s = time.perf_counter() - stats.started_at
+                    generated += new
+                    yield new
+        except grpc.aio.AioRpcError as e:
+            raise VerifierError(e.code(), e.details() or "") from None
+        finally:
+            inbox.close()
+            call.cancel()
+
     async def _raise_open_refusal(self, request: GenerationRequest, generated: list[int]) -> None:
         """Raises the verifier's status for this open, if it refuses it.
 
@@ -190,7 +235,9 @@ class EdgeSession:
             stats.draft_s += time.perf_counter() - start
 
     def _open_message(self, request: GenerationRequest, generated: list[int]) -> pb.OpenSession:
-        vocabulary = self.drafter.vocabulary
+        vocabulary = self.vocabulary
+        if vocabulary is None:  # a thin client that sends ids as they are
+            return wire.spec_to_proto(request.spec(generated))
         return wire.spec_to_proto(request.spec(generated, vocabulary.fingerprint, vocabulary.size))
 
     @staticmethod

@@ -144,7 +144,10 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
-    p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
+    p.add_argument(
+        "--draft", type=Path, help="GGUF draft model; without one, a thin client: the verifier decodes"
+    )
+    _add_thin(p)
     _add_speculation(p)
     _add_prompt(p)
     _add_sampling(p)
@@ -248,6 +251,16 @@ def _add_edge_app(p: argparse.ArgumentParser) -> None:
     defaults = Settings()
     p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="when a request sets none")
     p.add_argument("--temperature", type=float, default=defaults.temperature, help="when a request sets none")
+
+
+def _add_thin(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server-drafting",
+        choices=("ngram", "none"),
+        default="ngram",
+        help="without --draft: the verifier drafts by prompt lookup (ngram) or decodes alone (none)",
+    )
+    p.add_argument("--vocab", type=Path, help="without --draft: a GGUF whose vocabulary tokenizes the text")
 
 
 def _add_chat(p: argparse.ArgumentParser) -> None:
@@ -384,6 +397,12 @@ def _channel(address: str) -> grpc.aio.Channel:
     return wire.insecure_channel(address)
 
 
+def _vocab_only(path: Path):
+    from edge_client.drafter import VocabOnly
+
+    return VocabOnly(path)
+
+
 def _drafter(path: Path, threads: int = 0):
     from edge_client.drafter import DrafterConfig, LlamaDrafter
 
@@ -398,10 +417,17 @@ def _emit(args, token_ids: list[int], text: str, stats: dict) -> None:
 
 
 def _generate(args) -> int:
+    from draftwire.contract import Drafting
     from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
 
-    drafter = _drafter(args.draft)
-    prompt = args.prompt_ids if args.prompt_ids is not None else tuple(drafter.tokenize(args.prompt))
+    drafter = _drafter(args.draft) if args.draft else None
+    tokenizer = drafter or (_vocab_only(args.vocab) if args.vocab else None)
+    if args.prompt_ids is None and tokenizer is None:
+        print(
+            "draftwire: without --draft, give --prompt-ids, or --vocab FILE.gguf to tokenize", file=sys.stderr
+        )
+        return 2
+    prompt = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer.tokenize(args.prompt))
     request = GenerationRequest(
         prompt,
         _sampling(args),
@@ -409,18 +435,21 @@ def _generate(args) -> int:
         args.gamma,
         ignore_eos=args.ignore_eos,
         pipeline=args.pipeline,
+        drafting=Drafting.EDGE if drafter else Drafting(args.server_drafting),
     )
 
     async def run() -> tuple[list[int], GenerationStats]:
         async with _channel(args.server) as channel:
-            return await EdgeSession(channel, drafter).run(request)
+            vocabulary = tokenizer.vocabulary if tokenizer else None
+            return await EdgeSession(channel, drafter, vocabulary=vocabulary).run(request)
 
     try:
         tokens, stats = asyncio.run(run())
     except VerifierError as e:
         print(f"draftwire: verifier refused: {e}", file=sys.stderr)
         return 1
-    _emit(args, tokens, drafter.detokenize(tokens).decode("utf-8", "replace"), stats.as_json())
+    text = tokenizer.detokenize(tokens).decode("utf-8", "replace") if tokenizer else ""
+    _emit(args, tokens, text, stats.as_json())
     return 0
 
 

@@ -92,13 +92,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             accepted_tokens=s.accepted_tokens,
             accepted_per_position=s.accepted_per_position,
             stale_proposals=s.stale_proposals,
+            thin_sessions=s.thin_sessions,
             refusals=self.refusals,
             batch_seconds_counts=b.seconds_counts,
             batch_size_counts=b.size_counts,
         )
 
     async def Session(self, request_iterator, context):
-        """Translates the stream: open, then one verdict per proposal; a SessionError becomes a status.
+        """Translates the stream: open, then one verdict per proposal (a thin session: one per round the
+        verifier plays itself, to the finish); a SessionError becomes a status.
 
         After a finish the stream stays open until the edge half-closes; a proposal sent meanwhile is
         answered stale if the finish made it obsolete, else refused (FAILED_PRECONDITION).
@@ -121,6 +123,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         reused_positions=session.reused_positions,
                     )
                     yield pb.VerifierMessage(opened=opened)
+                    # A thin session: the verifier decodes it to the finish on its own.
+                    while session.spec.thin and session.finish is None:
+                        verdict = await session.play(session.own_proposal())
+                        yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
+                elif session.spec.thin:
+                    raise InvalidRequest("a thin session takes no proposals: the verifier drafts for it")
                 elif kind != "proposal":
                     raise InvalidRequest("the session is already open: send proposals")
                 else:

@@ -8,6 +8,7 @@ contract violations go out as SessionError subclasses that the servicer maps to 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwire.contract import (
+    Drafting,
     Finish,
     InvalidSampling,
     Proposal,
@@ -25,6 +27,7 @@ from draftwire.contract import (
     is_stale,
     stop_set,
 )
+from draftwire.ngram import ngram_draft
 from draftwire.rules import choose_tokens, commit_round
 from verifier_service.batcher import Batcher, Engine
 from verifier_service.engine import Forward
@@ -75,6 +78,7 @@ class VerifierStats:
         default_factory=list
     )  # [i]: proposals whose draft i was accepted
     stale_proposals: int = 0
+    thin_sessions: int = 0  # sessions the verifier decoded itself
 
     @property
     def target_positions_per_token(self) -> float:
@@ -82,6 +86,7 @@ class VerifierStats:
 
 
 _keys = itertools.count(1)
+NGRAM_GAMMA = 5  # prompt-lookup draft tokens per round of a thin session
 
 
 class VerifierSession:
@@ -96,6 +101,8 @@ class VerifierSession:
         key: str | None = None,
     ):
         """Validates the spec; raises InvalidRequest or WrongState. `open` also prefills."""
+        if spec.thin:  # the verifier's own rounds may carry no draft token
+            limits = dataclasses.replace(limits, min_gamma=0)
         self.batcher, self.spec, self.limits = batcher, spec, limits
         self.stats = stats if stats is not None else VerifierStats()
         self.key = key or f"s{next(_keys)}"
@@ -143,6 +150,7 @@ class VerifierSession:
         """
         session = cls(batcher, spec, *args, **kwargs)
         session.stats.sessions_opened += 1
+        session.stats.thin_sessions += spec.thin
         batcher.join(session.key)
         try:
             prefix = session.committed[:-1]
@@ -180,6 +188,14 @@ class VerifierSession:
         if verdict.finish is not None:
             self.close()
         return verdict
+
+    def own_proposal(self) -> Proposal:
+        """A thin session's next round: the verifier's own draft (prompt lookup, or none) from the
+        committed tokens."""
+        draft = ()
+        if self.spec.drafting is Drafting.NGRAM:
+            draft = tuple(ngram_draft(self.committed, min(NGRAM_GAMMA, self.limits.max_gamma)))
+        return Proposal(self.last_round + 1, len(self.committed), draft)
 
     def begin(self, proposal: Proposal) -> Round | Verdict:
         """Checks a proposal and says what the target must compute for it, or answers a stale one at
@@ -245,7 +261,10 @@ class VerifierSession:
             for i in range(accepted):
                 per_position[i] += 1
         verify_seconds, batch_size = self.batcher.stats.last.get(self.key, (0.0, 0))
-        return self._verdict(begun.proposal, accepted, target_token, verify=(verify_seconds, batch_size))
+        verdict = self._verdict(begun.proposal, accepted, target_token, verify=(verify_seconds, batch_size))
+        if self.spec.thin:  # the edge learns the server's drafts it accepted from the verdict
+            verdict = dataclasses.replace(verdict, server_draft_token_ids=begun.draft)
+        return verdict
 
     def close(self) -> None:
         """Frees the session's KV cache after its queued forwards; safe to call twice."""

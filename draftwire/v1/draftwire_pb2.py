@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64raftwire/v1/draftwire.proto\x12\x0c\x64raftwire.v1\"\x12\n\x10ModelInfoRequest\"\xe0\x01\n\tModelInfo\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_gamma\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x33\n\x0especial_tokens\x18\x06 \x01(\x0b\x32\x1b.draftwire.v1.SpecialTokens\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\r\"~\n\rSpecialTokens\x12\x19\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"T\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xd3\x01\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.draftwire.v1.SamplingParams\x12*\n\x04stop\x18\x03 \x01(\x0b\x32\x1c.draftwire.v1.StopConditions\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\"e\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\r\"l\n\x0b\x45\x64geMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.draftwire.v1.OpenSessionH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.draftwire.v1.ProposalH\x00\x42\x06\n\x04kind\"W\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\x12\x18\n\x10reused_positions\x18\x03 \x01(\x04\"\x96\x02\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1c\n\x0ftarget_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.draftwire.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x18\n\x10\x63ommitted_length\x18\x07 \x01(\x04\x12\x18\n\x10target_positions\x18\x08 \x01(\x04\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x12\n\nbatch_size\x18\n \x01(\rB\x12\n\x10_target_token_id\"r\n\x0fVerifierMessage\x12-\n\x06opened\x18\x01 \x01(\x0b\x32\x1b.draftwire.v1.SessionOpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.draftwire.v1.VerdictH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xea\x04\n\x0bServerStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fround_positions\x18\x05 \x01(\x04\x12\x19\n\x11prefill_positions\x18\x06 \x01(\x04\x12\"\n\x1atarget_positions_per_token\x18\x07 \x01(\x01\x12\x16\n\x0e\x65ngine_batches\x18\x08 \x01(\x04\x12\x17\n\x0f\x65ngine_forwards\x18\t \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\n \x01(\x01\x12\x18\n\x10reused_positions\x18\x0b \x01(\x04\x12\x13\n\x0bkept_caches\x18\x0c \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\r \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x0e \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x0f \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x10 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x11 \x03(\x04\x12\x17\n\x0fstale_proposals\x18\x12 \x01(\x04\x12\x39\n\x08refusals\x18\x13 \x03(\x0b\x32\'.draftwire.v1.ServerStats.RefusalsEntry\x12\x1c\n\x14\x62\x61tch_seconds_counts\x18\x14 \x03(\x04\x12\x19\n\x11\x62\x61tch_size_counts\x18\x15 \x03(\x04\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdf\x01\n\x08Verifier\x12G\n\x0cGetModelInfo\x12\x1e.draftwire.v1.ModelInfoRequest\x1a\x17.draftwire.v1.ModelInfo\x12G\n\x07Session\x12\x19.draftwire.v1.EdgeMessage\x1a\x1d.draftwire.v1.VerifierMessage(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x1a.draftwire.v1.StatsRequest\x1a\x19.draftwire.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64raftwire/v1/draftwire.proto\x12\x0c\x64raftwire.v1\"\x12\n\x10ModelInfoRequest\"\xe0\x01\n\tModelInfo\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_gamma\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x33\n\x0especial_tokens\x18\x06 \x01(\x0b\x32\x1b.draftwire.v1.SpecialTokens\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\r\"~\n\rSpecialTokens\x12\x19\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"T\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xfd\x01\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.draftwire.v1.SamplingParams\x12*\n\x04stop\x18\x03 \x01(\x0b\x32\x1c.draftwire.v1.StopConditions\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12(\n\x08\x64rafting\x18\x07 \x01(\x0e\x32\x16.draftwire.v1.Drafting\"e\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\r\"l\n\x0b\x45\x64geMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.draftwire.v1.OpenSessionH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.draftwire.v1.ProposalH\x00\x42\x06\n\x04kind\"W\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\x12\x18\n\x10reused_positions\x18\x03 \x01(\x04\"\xb6\x02\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1c\n\x0ftarget_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.draftwire.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x18\n\x10\x63ommitted_length\x18\x07 \x01(\x04\x12\x18\n\x10target_positions\x18\x08 \x01(\x04\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x12\n\nbatch_size\x18\n \x01(\r\x12\x1e\n\x16server_draft_token_ids\x18\x0b \x03(\rB\x12\n\x10_target_token_id\"r\n\x0fVerifierMessage\x12-\n\x06opened\x18\x01 \x01(\x0b\x32\x1b.draftwire.v1.SessionOpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.draftwire.v1.VerdictH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\x81\x05\n\x0bServerStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fround_positions\x18\x05 \x01(\x04\x12\x19\n\x11prefill_positions\x18\x06 \x01(\x04\x12\"\n\x1atarget_positions_per_token\x18\x07 \x01(\x01\x12\x16\n\x0e\x65ngine_batches\x18\x08 \x01(\x04\x12\x17\n\x0f\x65ngine_forwards\x18\t \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\n \x01(\x01\x12\x18\n\x10reused_positions\x18\x0b \x01(\x04\x12\x13\n\x0bkept_caches\x18\x0c \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\r \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x0e \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x0f \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x10 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x11 \x03(\x04\x12\x17\n\x0fstale_proposals\x18\x12 \x01(\x04\x12\x39\n\x08refusals\x18\x13 \x03(\x0b\x32\'.draftwire.v1.ServerStats.RefusalsEntry\x12\x1c\n\x14\x62\x61tch_seconds_counts\x18\x14 \x03(\x04\x12\x19\n\x11\x62\x61tch_size_counts\x18\x15 \x03(\x04\x12\x15\n\rthin_sessions\x18\x16 \x01(\x04\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*D\n\x08\x44rafting\x12\x11\n\rDRAFTING_EDGE\x10\x00\x12\x11\n\rDRAFTING_NONE\x10\x01\x12\x12\n\x0e\x44RAFTING_NGRAM\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdf\x01\n\x08Verifier\x12G\n\x0cGetModelInfo\x12\x1e.draftwire.v1.ModelInfoRequest\x1a\x17.draftwire.v1.ModelInfo\x12G\n\x07Session\x12\x19.draftwire.v1.EdgeMessage\x1a\x1d.draftwire.v1.VerifierMessage(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x1a.draftwire.v1.StatsRequest\x1a\x19.draftwire.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SERVERSTATS_REFUSALSENTRY']._loaded_options = None
   _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2155
-  _globals['_FINISHREASON']._serialized_end=2250
+  _globals['_DRAFTING']._serialized_start=2252
+  _globals['_DRAFTING']._serialized_end=2320
+  _globals['_FINISHREASON']._serialized_start=2322
+  _globals['_FINISHREASON']._serialized_end=2417
   _globals['_MODELINFOREQUEST']._serialized_start=46
   _globals['_MODELINFOREQUEST']._serialized_end=64
   _globals['_MODELINFO']._serialized_start=67
@@ -46,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCONDITIONS']._serialized_start=519
   _globals['_STOPCONDITIONS']._serialized_end=603
   _globals['_OPENSESSION']._serialized_start=606
-  _globals['_OPENSESSION']._serialized_end=817
-  _globals['_PROPOSAL']._serialized_start=819
-  _globals['_PROPOSAL']._serialized_end=920
-  _globals['_EDGEMESSAGE']._serialized_start=922
-  _globals['_EDGEMESSAGE']._serialized_end=1030
-  _globals['_SESSIONOPENED']._serialized_start=1032
-  _globals['_SESSIONOPENED']._serialized_end=1119
-  _globals['_VERDICT']._serialized_start=1122
-  _globals['_VERDICT']._serialized_end=1400
-  _globals['_VERIFIERMESSAGE']._serialized_start=1402
-  _globals['_VERIFIERMESSAGE']._serialized_end=1516
-  _globals['_STATSREQUEST']._serialized_start=1518
-  _globals['_STATSREQUEST']._serialized_end=1532
-  _globals['_SERVERSTATS']._serialized_start=1535
-  _globals['_SERVERSTATS']._serialized_end=2153
-  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_start=2106
-  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_end=2153
-  _globals['_VERIFIER']._serialized_start=2253
-  _globals['_VERIFIER']._serialized_end=2476
+  _globals['_OPENSESSION']._serialized_end=859
+  _globals['_PROPOSAL']._serialized_start=861
+  _globals['_PROPOSAL']._serialized_end=962
+  _globals['_EDGEMESSAGE']._serialized_start=964
+  _globals['_EDGEMESSAGE']._serialized_end=1072
+  _globals['_SESSIONOPENED']._serialized_start=1074
+  _globals['_SESSIONOPENED']._serialized_end=1161
+  _globals['_VERDICT']._serialized_start=1164
+  _globals['_VERDICT']._serialized_end=1474
+  _globals['_VERIFIERMESSAGE']._serialized_start=1476
+  _globals['_VERIFIERMESSAGE']._serialized_end=1590
+  _globals['_STATSREQUEST']._serialized_start=1592
+  _globals['_STATSREQUEST']._serialized_end=1606
+  _globals['_SERVERSTATS']._serialized_start=1609
+  _globals['_SERVERSTATS']._serialized_end=2250
+  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_start=2203
+  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_end=2250
+  _globals['_VERIFIER']._serialized_start=2420
+  _globals['_VERIFIER']._serialized_end=2643
 # @@protoc_insertion_point(module_scope)
