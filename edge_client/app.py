@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from draftwire import wire
+from draftwire.contract import Drafting
 from edge_client.chat import render_chat, special_piece
 from edge_client.openai_api import (
     HTTP_STATUS,
@@ -62,6 +63,9 @@ class EdgeConfig:
     pipeline: int = 2
     defaults: Settings = Settings()
     store_path: Path | str = ":memory:"
+    # EDGE: the device drafts. NONE or NGRAM: a thin device (no draft model, only its vocabulary): the
+    # verifier decodes, alone or with its prompt-lookup drafts.
+    drafting: Drafting = Drafting.EDGE
 
 
 @dataclass
@@ -116,6 +120,7 @@ class Contexts:
 
 class EdgeApp:
     def __init__(self, config: EdgeConfig, drafter, draft_name: str = ""):
+        """`drafter`: a LlamaDrafter, or for a thin device (config.drafting not EDGE) a VocabOnly."""
         self.config = config
         self.drafter = drafter
         self.draft_name = draft_name
@@ -151,7 +156,8 @@ class EdgeApp:
 
     async def _start(self, _app) -> None:
         self.channel = wire.insecure_channel(self.config.server)
-        self.session = EdgeSession(self.channel, self.drafter)
+        drafter = self.drafter if self.config.drafting is Drafting.EDGE else None
+        self.session = EdgeSession(self.channel, drafter, vocabulary=self.drafter.vocabulary)
 
     async def _stop(self, _app) -> None:
         await self.channel.close()
@@ -285,6 +291,7 @@ class EdgeApp:
                 settings.max_tokens,
                 self.config.gamma,
                 pipeline=self.config.pipeline,
+                drafting=self.config.drafting,
             )
             text = _TextStream(self.drafter, info.target.eos_token_ids, settings.stop)
             parts = []

@@ -174,7 +174,10 @@ def parser() -> argparse.ArgumentParser:
         "edge", help="the device's chat app: an OpenAI-compatible API and a web page on localhost"
     )
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
-    p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
+    p.add_argument(
+        "--draft", type=Path, help="GGUF draft model; without one (and with --vocab), a thin device"
+    )
+    _add_thin(p)
     _add_edge_app(p)
 
     p = sub.add_parser(
@@ -507,11 +510,13 @@ def _chat(args) -> int:
 
 
 def _edge_config(args, server: str):
+    from draftwire.contract import Drafting
     from edge_client.app import EdgeConfig, default_store
     from edge_client.openai_api import Settings
 
     return EdgeConfig(
         server,
+        drafting=Drafting.EDGE if getattr(args, "draft", None) else Drafting(args.server_drafting),
         gamma=args.gamma,
         pipeline=args.pipeline,
         defaults=Settings(max_tokens=args.max_tokens, temperature=args.temperature),
@@ -522,13 +527,17 @@ def _edge_config(args, server: str):
 def _edge(args) -> int:
     from edge_client.app import serve
 
-    drafter = _drafter(args.draft, args.threads)
+    if not (args.draft or args.vocab):
+        print("draftwire: give --draft FILE.gguf, or for a thin device --vocab FILE.gguf", file=sys.stderr)
+        return 2
+    drafter = _drafter(args.draft, args.threads) if args.draft else _vocab_only(args.vocab)
     config = _edge_config(args, args.server)
+    name = args.draft.name if args.draft else f"none (thin, server drafting {args.server_drafting})"
 
     def ready(url: str) -> None:
-        print(f"draftwire edge: {url} (verifier {args.server}, draft {args.draft.name})", flush=True)
+        print(f"draftwire edge: {url} (verifier {args.server}, draft {name})", flush=True)
 
-    asyncio.run(serve(config, drafter, args.host, args.port, args.draft.name, ready))
+    asyncio.run(serve(config, drafter, args.host, args.port, name, ready))
     return 0
 
 

@@ -279,3 +279,16 @@ def test_the_apps_metrics_count_its_replies_and_errors(edge, client):
     assert delta("draftwire:edge_errors_total{status=400}") == 1
     assert delta("draftwire:edge_time_to_first_token_seconds_count") == 1
     assert timings["verify_ms"] > 0 and timings["mean_batch_size"] >= 1
+
+
+@pytest.mark.parametrize("drafting", ["ngram", "none"])
+def test_a_thin_device_gets_the_same_text(verifier, vocab, tmp_path, drafting):
+    """No draft model on the device, only its vocabulary: the verifier decodes (alone, or drafting by
+    prompt lookup) and the reply is still the target alone's."""
+    extra = ("--vocab", str(DRAFT), "--server-drafting", drafting)
+    with EdgeProcess(verifier.address, None, *extra, db=tmp_path / "e.sqlite3", executable=EDGE) as thin:
+        client = OpenAI(base_url=thin.url + "v1", api_key="unused")
+        reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0)
+        assert reply.choices[0].text == _reference(vocab, PROMPT, 24, "--temperature", "0")
+        if drafting == "none":
+            assert reply.model_extra["timings"]["draft_n"] == 0

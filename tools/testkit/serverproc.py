@@ -92,7 +92,7 @@ class EdgeProcess(ChildProcess):
     def __init__(
         self,
         server: str,
-        draft: Path,
+        draft: Path | None,
         *extra: str,
         db: Path,
         timeout: float = 120,
@@ -100,8 +100,9 @@ class EdgeProcess(ChildProcess):
         cpus: tuple[int, ...] = (),
     ):
         """`executable edge` against the verifier at `server` on a free loopback port, keeping
-        conversations in `db`; `url` is its base URL."""
-        argv = [executable, "edge", "--server", server, "--draft", str(draft), "--port", "0", "--db", str(db)]
+        conversations in `db` (draft None: a thin device, `extra` gives its --vocab); `url` is its base URL."""
+        argv = [executable, "edge", "--server", server, "--port", "0", "--db", str(db)]
+        argv += ["--draft", str(draft)] if draft is not None else []
         super().__init__([*argv, *extra], r"draftwire edge: (http://\S+/)", timeout, cpus)
         self.url = self.found
 
