@@ -100,7 +100,8 @@ class EdgeProcess(ChildProcess):
         cpus: tuple[int, ...] = (),
     ):
         """`executable edge` against the verifier at `server` on a free loopback port, keeping
-        conversations in `db` (draft None: a thin device, `extra` gives its --vocab); `url` is its base URL."""
+        conversations in `db` (draft None: a thin device, `extra` gives its --vocab); `url` is its base
+        URL."""
         argv = [executable, "edge", "--server", server, "--port", "0", "--db", str(db)]
         argv += ["--draft", str(draft)] if draft is not None else []
         super().__init__([*argv, *extra], r"draftwire edge: (http://\S+/)", timeout, cpus)
