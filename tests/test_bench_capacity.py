@@ -1,0 +1,57 @@
+"""A smoke run of the capacity benchmark on the committed demo pair, so that it cannot rot: its figures
+agree with each other and every arm commits the target alone's output."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tools.bench import capacity
+from tools.bench.prompts import heldout_prompts
+
+pytestmark = pytest.mark.slow  # a real server in a subprocess, the draft in llama.cpp
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
+
+
+def test_capacity_benchmark_figures_agree(tmp_path):
+    config = capacity.CapacityConfig(
+        target_dir=DEMO / "target",
+        draft_gguf=DEMO / "draft-q8_0.gguf",
+        prompts=heldout_prompts(DEMO / "target", 2, 32),
+        sessions=(1, 2),
+        new_tokens=12,
+        live_max=1,
+        verifier_cpus=(),  # this process keeps its cores: the figures, not the rig, are under test
+        edge_cpus=(),
+    )
+    report = asyncio.run(capacity.run_all(config, log=lambda _: None))
+    rows = report["rows"]
+    cells = [(r["sessions"], r["arm"], r["drafts"]) for r in rows]
+    assert cells == [
+        (1, "a", ""),
+        (1, "b", ""),
+        (1, "c", "replayed"),
+        (1, "c", "live"),
+        (2, "a", ""),
+        (2, "b", ""),
+        (2, "c", "replayed"),
+    ]
+    for r in rows:
+        assert r["exact"], r  # the same target text whatever drafts it
+        assert r["tokens"] == r["sessions"] * config.new_tokens == r["server_tokens"]
+        assert r["served_tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        assert r["upload_bytes_per_token"] > 0 and r["download_bytes_per_token"] > 0
+        # Prefill counted, no cache kept: all but the last prompt token (the first round computes that one).
+        assert r["prefill_positions"] == r["sessions"] * 31
+        assert r["bound_tokens_per_s"] >= r["served_tokens_per_s"]
+    for n in (1, 2):
+        a, b, c = (next(r for r in rows if r["sessions"] == n and r["arm"] == arm) for arm in "abc")
+        assert a["session_forwards_per_token"] > c["session_forwards_per_token"]
+        assert a["session_forwards_per_token"] > b["session_forwards_per_token"]
+        assert a["upload_bytes_per_token"] < c["upload_bytes_per_token"]  # thin: the open alone goes up
+    assert (
+        report["ratios"]["c/replayed/N2"] == rows[6]["served_tokens_per_s"] / rows[4]["served_tokens_per_s"]
+    )
+    table = capacity.write_outputs(report, tmp_path)
+    assert (tmp_path / "capacity.png").stat().st_size > 0 and "| 2 | (c)" in table
