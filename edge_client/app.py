@@ -59,8 +59,8 @@ def default_store() -> Path:
 @dataclass(frozen=True)
 class EdgeConfig:
     server: str  # the verifier's HOST:PORT
-    gamma: int = 4
-    pipeline: int = 2
+    gamma: int | None = None  # draft tokens per round; None: chosen online (edge_client.adaptive)
+    pipeline: int | None = None  # proposals sent ahead of their verdicts; None: chosen online
     defaults: Settings = Settings()
     store_path: Path | str = ":memory:"
     # EDGE: the device drafts. NONE or NGRAM: a thin device (no draft model, only its vocabulary): the

@@ -17,10 +17,10 @@ from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 
 @dataclass(frozen=True)
 class ChatConfig:
-    gamma: int = 4
+    gamma: int | None = None  # draft tokens per round; None: chosen online (edge_client.adaptive)
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
-    pipeline: int = 2  # proposals sent ahead of their verdicts (the CLI's default)
+    pipeline: int | None = None  # proposals sent ahead of their verdicts; None: chosen online
     ignore_eos: bool = False  # reply until max_new_tokens whatever the target says
 
 

@@ -25,6 +25,7 @@ from draftwire.contract import (
     generation_budget,
     stop_set,
 )
+from edge_client.adaptive import Tuner
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,16 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 64  # 0: until the target's context is full
-    gamma: int = 4  # draft tokens per proposal
+    gamma: int | None = 4  # draft tokens per proposal; None: chosen online (edge_client.adaptive)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    pipeline: int = 0  # proposals sent ahead of their verdicts; 0 waits for every verdict
+    pipeline: int | None = 0  # proposals sent ahead of their verdicts; 0 waits for each; None: chosen online
     drafting: Drafting = Drafting.EDGE  # NONE or NGRAM: a thin session, the verifier decodes it
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether γ or the pipeline depth is left to a Tuner."""
+        return self.gamma is None or self.pipeline is None
 
     def spec(self, generated: Sequence[int] = (), fingerprint: str = "", vocab_size: int = 0) -> SessionSpec:
         """The session to open for this request, resuming after `generated` tokens."""
@@ -133,8 +139,12 @@ class Planner:
         info: ModelInfo,
         generated: Sequence[int] = (),
         stats: GenerationStats | None = None,
+        tuner: Tuner | None = None,
     ):
+        """`tuner`: where an adaptive request's γ and depth come from, and what verdicts teach (one is
+        made for it when None); a fixed request leaves it untouched."""
         self.request = request
+        self.tuner = (tuner or Tuner()) if request.adaptive else None
         self.stats = stats if stats is not None else GenerationStats()
         self.committed = [*request.prompt_token_ids, *generated]  # prompt + generated
         self.stops = stop_set(request.stop_token_ids, request.ignore_eos, info.target.eos_token_ids)
@@ -156,15 +166,22 @@ class Planner:
         if self.drafted is not None or self.finished:
             return None
         live = [s for s in self.in_flight if s.builds_on(self.committed)]
+        chosen, depth = self.setting()
         if not live:
-            gamma = self._gamma(len(self.committed))
+            gamma = self._gamma(len(self.committed), chosen)
             return DraftJob(list(self.committed), gamma, False) if gamma else None
         last = live[-1]
         base = [*last.prefix, *last.draft]
-        if len(live) > self.request.pipeline or last.final or self._blocked == len(base):
+        if len(live) > depth or last.final or self._blocked == len(base):
             return None
-        gamma = self._gamma(len(base) + 1)
+        gamma = self._gamma(len(base) + 1, chosen)
         return DraftJob(base, gamma + 1, True) if gamma else None
+
+    def setting(self) -> tuple[int, int]:
+        """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""
+        if self.tuner is None:
+            return self.request.gamma, self.request.pipeline
+        return self.tuner.choose(self.request.gamma, self.request.pipeline, self.max_gamma)
 
     def add_draft(self, job: DraftJob, tokens: list[int]) -> None:
         """Takes the drafter's tokens for `job`; a guess that is a stop token is not sent (nothing
@@ -201,6 +218,9 @@ class Planner:
             self.stats.stale_rounds += 1
             return []
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
+        if self.tuner is not None:
+            self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
+            self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
         self.committed += new
         self.stats.rounds += 1
         self.stats.draft_tokens += len(sent.draft)
@@ -217,7 +237,7 @@ class Planner:
         generated = len(prefix) - self._prompt_length
         return generated + len(draft) + 1 >= self.budget or any(t in self.stops for t in draft)
 
-    def _gamma(self, length: int) -> int:
+    def _gamma(self, length: int, chosen: int) -> int:
         left = self.budget - (length - self._prompt_length)
         # The last round may propose more than the budget leaves: the verifier drops the excess.
-        return max(1, min(self.request.gamma, left - 1, self.max_gamma)) if left > 0 else 0
+        return max(1, min(chosen, left - 1, self.max_gamma)) if left > 0 else 0

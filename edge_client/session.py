@@ -22,6 +22,7 @@ from draftwire.contract import ModelInfo, SamplingParams, Verdict
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
+from edge_client.adaptive import Tuner
 from edge_client.planner import BadVerdict, DraftJob, GenerationRequest, GenerationStats, Planner
 
 __all__ = ["Drafter", "EdgeSession", "GenerationRequest", "GenerationStats", "VerifierError"]
@@ -67,6 +68,8 @@ class EdgeSession:
         self.drafter = drafter
         self.vocabulary = drafter.vocabulary if drafter is not None else vocabulary
         self.max_resumes = max_resumes  # re-opens after UNAVAILABLE, per generation
+        # Adaptive requests' γ and depth: its estimates outlive a generation (same drafter, same link).
+        self.tuner = Tuner()
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -122,10 +125,12 @@ class EdgeSession:
         self, request: GenerationRequest, stats: GenerationStats, generated: list[int]
     ) -> AsyncIterator[list[int]]:
         """One Session stream, from open to finish: the edge's round loop."""
-        plan = Planner(request, await self.model_info(), generated, stats)
+        plan = Planner(request, await self.model_info(), generated, stats, self.tuner)
+        tuner = plan.tuner
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
         sent_at: dict[int, float] = {}
+        queued: dict[int, bool] = {}  # sent while others were in flight: may wait behind them
         try:
             await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated)), stats)
             while not plan.finished:
@@ -134,12 +139,17 @@ class EdgeSession:
                     # No verdict waiting: send what was drafted if no verdict refuted it meanwhile...
                     if (proposal := plan.next_proposal()) is not None:
                         sent_at[proposal.round] = time.perf_counter()
+                        queued[proposal.round] = len(plan.in_flight) > 1
                         message = pb.EdgeMessage(proposal=wire.proposal_to_proto(proposal))
                         await self._write(call, message, stats)
                         continue
                     # ...else draft the next proposal, if the pipeline has room for one...
                     if (job := plan.next_draft()) is not None:
-                        plan.add_draft(job, await self._draft(job, request.sampling, plan.stops, stats))
+                        drafted_s = stats.draft_s
+                        tokens = await self._draft(job, request.sampling, plan.stops, stats)
+                        if tuner is not None:
+                            tuner.observe_draft(len(tokens), stats.draft_s - drafted_s)
+                        plan.add_draft(job, tokens)
                         continue
                     # ...else wait for the oldest proposal's verdict.
                     if not plan.in_flight:
@@ -150,6 +160,10 @@ class EdgeSession:
                 new = plan.apply(verdict)
                 if not verdict.stale:
                     stats.round_s.append(time.perf_counter() - sent_at.pop(verdict.round))
+                    if tuner is not None:
+                        tuner.observe_round(
+                            stats.round_s[-1], verdict.verify_seconds, queued.pop(verdict.round)
+                        )
                 if new:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at

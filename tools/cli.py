@@ -15,8 +15,10 @@ import grpc
 from draftwire import wire
 from draftwire.contract import SamplingParams
 
-# γ = 4 with two proposals in flight: the best greedy-and-sampled setting of `draftwire bench` on the
-# SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
+# γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
+# the SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
+# The load test's defaults. generate, chat, demo and edge choose both online unless told
+# (edge_client/adaptive.py), starting from these.
 GAMMA = 4
 PIPELINE = 2
 PIPELINE_HELP = "proposals sent ahead of their verdicts (hides round trips; 0: wait for each verdict)"
@@ -57,8 +59,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
 
 
 def _add_speculation(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per round")
-    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
+    adaptive = "; unset: chosen online for the most tokens/s (adaptive)"
+    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round" + adaptive)
+    p.add_argument("--pipeline", type=int, default=None, help=PIPELINE_HELP + adaptive)
 
 
 def _add_target_numerics(p: argparse.ArgumentParser) -> None:

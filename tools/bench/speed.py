@@ -115,15 +115,17 @@ async def run_draftwire(
     address: str,
     upstream: str,
     mode: str,
-    gamma: int,
+    gamma: int | None,
     rtt_ms: float,
-    pipeline: int = 0,
+    pipeline: int | None = 0,
 ) -> Row:
+    """`gamma` or `pipeline` None: chosen online (edge_client.adaptive), the row's figure 0; one tuner
+    learns across the row's prompts, as in a chat or the edge app."""
     arm = "d" if rtt_ms else "c"
     label = f"draftwire, {rtt_ms:g} ms RTT" if rtt_ms else "draftwire, loopback"
     if pipeline:
         label += f", pipelined {pipeline}"
-    row = Row(arm, label, mode, gamma, rtt_ms, pipeline)
+    row = Row(arm, label, mode, gamma or 0, rtt_ms, pipeline or 0)
     all_stats: list[GenerationStats] = []
     async with grpc.aio.insecure_channel(upstream) as stats_channel:
         stats_stub = pb_grpc.VerifierStub(stats_channel)
@@ -143,13 +145,16 @@ async def run_draftwire(
                 ids, stats = await session.run(request)
                 row.outputs.append(ids)
                 all_stats.append(stats)
+            if gamma is None or pipeline is None:
+                (g, d), moves = session.tuner.choice, session.tuner.moves
+                row.label += f", adaptive (ended at γ {g}, depth {d}; {moves} moves)"
         after = await stats_stub.GetStats(pb.StatsRequest())
     rounds = sum(s.rounds for s in all_stats)
     row.tokens = sum(map(len, row.outputs))
     row.wall_s = sum(s.wall_s for s in all_stats)
     row.acceptance = sum(s.accepted_tokens for s in all_stats) / sum(s.draft_tokens for s in all_stats)
     row.tokens_per_round = row.tokens / rounds
-    row.expected_tokens_per_round = expected_tokens_per_round(row.acceptance, gamma)
+    row.expected_tokens_per_round = expected_tokens_per_round(row.acceptance, gamma) if gamma else None
     row.target_positions_per_token = (after.round_positions - before.round_positions) / row.tokens
     row.bytes_per_token = sum(s.wire_bytes for s in all_stats) / row.tokens
     round_ms = [1000 * t for s in all_stats for t in s.round_s]

@@ -1,0 +1,250 @@
+"""Adaptive speculation: the γ and pipeline depth that promise the most committed tokens per second,
+chosen online from what the edge measures. Pure: no clock, no I/O; the transport passes the figures in.
+
+What is measured, each smoothed exponentially (weight `smoothing` for a new figure):
+  α_i     acceptance of draft position i given positions 0..i-1 accepted (decayed counts, shrunk to
+          the pooled rate, so a position seldom reached borrows from the others: i.i.d.-ish).
+  D(n)    seconds to draft n tokens (one drafter call); V(n) seconds of the verifier's forward over n
+          positions (Verdict.verify_seconds): each a line, fitted over the sizes seen so far.
+  R       round trip: send to verdict, less the verify time. Only a proposal sent with nothing in
+          flight measures it; one queued behind others only bounds it from above.
+
+The model, for γ draft tokens a proposal and depth d (proposals sent ahead of their verdicts):
+  E(γ)   = Σ_{k=0..γ} Π_{i<k} α_i          committed tokens a verified round (accepted + 1)
+  q(γ)   = Π_{i<γ} α_i · α_γ                a pipelined proposal's successor stays live: all γ
+                                            accepted, and the guessed bonus (the draft's token γ) right
+  L(γ)   = D(γ) + R + V(γ+1)               a round from committed tokens: draft, wire, verify
+  d = 0:  tokens/s = E / L
+  d ≥ 1:  τ = max(D(γ+1), V(γ+1), (D(γ+1) + R + V(γ+1)) / (d+1))  a verdict's period while live
+          (the draft, the verifier, or d+1 proposals cycling through one round trip)
+          tokens/s = E / ((1-q)·(L + u·D(γ+1)/2) + q·τ),  u = min(1, D(γ+1)/τ)
+          (a run restarts from committed tokens with probability 1-q, finding the drafter busy
+          on a proposal that is now stale with probability u, half-way through on average)
+
+Hysteresis: nothing moves before `warmup` verified rounds, nor within `dwell` rounds of the last move;
+a move needs `margin` more predicted tokens/s than staying, and γ moves by at most `max_step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    max_gamma: int = 8  # largest γ considered (the verifier's max_gamma caps it further)
+    max_depth: int = 3  # deepest pipeline considered
+    smoothing: float = 0.1  # weight of a new figure in every running estimate
+    margin: float = 0.05  # a move must promise this share more tokens/s than staying
+    dwell: int = 4  # verified rounds between moves
+    warmup: int = 3  # verified rounds before the first move
+    max_step: int = 2  # γ moves by at most this much at once
+    prior_acceptance: float = 0.6  # α before anything is seen, worth `prior_weight` observations
+    prior_weight: float = 2.0
+    initial: tuple[int, int] = (4, 2)  # (γ, depth) until there is something to go on
+    fixed_share_draft: float = 0.1  # share of a drafter call not growing with its tokens, until fitted
+    fixed_share_verify: float = 0.5  # share of a forward not growing with its positions, until fitted
+
+
+class CostLine:
+    """Seconds against a size (tokens drafted, positions verified): a running average per size seen,
+    and a weighted line through them; with one size seen, a line with the given fixed share."""
+
+    def __init__(self, smoothing: float, fixed_share: float):
+        self.smoothing = smoothing
+        self.fixed_share = fixed_share
+        self.means: dict[int, float] = {}  # size -> smoothed seconds
+        self.counts: dict[int, int] = {}
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size <= 0 or seconds < 0:
+            return
+        old = self.means.get(size)
+        # The first figures of a size are averaged plainly, then smoothed.
+        weight = max(self.smoothing, 1 / (self.counts.get(size, 0) + 1))
+        self.means[size] = seconds if old is None else old + weight * (seconds - old)
+        self.counts[size] = self.counts.get(size, 0) + 1
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.means)
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per unit), both >= 0; (0, 0) before any figure."""
+        if not self.means:
+            return 0.0, 0.0
+        weights = {n: min(c, 1 / self.smoothing) for n, c in self.counts.items()}
+        total = sum(weights.values())
+        mean_n = sum(w * n for n, w in weights.items()) / total
+        mean_s = sum(w * self.means[n] for n, w in weights.items()) / total
+        spread = sum(w * (n - mean_n) ** 2 for n, w in weights.items())
+        if spread > 0:
+            slope = sum(w * (n - mean_n) * (self.means[n] - mean_s) for n, w in weights.items()) / spread
+            slope = max(0.0, slope)
+            fixed = mean_s - slope * mean_n
+            if fixed >= 0:
+                return fixed, slope
+            return 0.0, mean_s / mean_n  # a line through the origin when the fit's intercept is negative
+        return self.fixed_share * mean_s, (1 - self.fixed_share) * mean_s / mean_n
+
+    def __call__(self, size: int) -> float:
+        fixed, slope = self.line()
+        return fixed + slope * size
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What the model needs, as numbers: the tuner's current view, or a hand-built case in a test."""
+
+    acceptance: tuple[float, ...]  # [max_gamma + 1]: α_i, conditional acceptance of draft position i
+    draft_fixed_s: float  # D(n) = draft_fixed_s + draft_token_s · n
+    draft_token_s: float
+    verify_fixed_s: float  # V(n) = verify_fixed_s + verify_position_s · n, n positions (γ + 1)
+    verify_position_s: float
+    rtt_s: float  # R
+
+    def draft(self, tokens: int) -> float:
+        return self.draft_fixed_s + self.draft_token_s * tokens
+
+    def verify(self, gamma: int) -> float:
+        return self.verify_fixed_s + self.verify_position_s * (gamma + 1)
+
+
+def expected_tokens(acceptance: tuple[float, ...], gamma: int) -> float:
+    """E(γ) = Σ_{k=0..γ} Π_{i<k} α_i: committed tokens of a verified round of γ draft tokens."""
+    total, reach = 0.0, 1.0
+    for k in range(gamma + 1):
+        total += reach
+        if k < gamma:
+            reach *= acceptance[k]
+    return total
+
+
+def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
+    """The model's committed tokens per second at (γ, depth) (see the module's docstring)."""
+    tokens = expected_tokens(est.acceptance, gamma)
+    verify = est.verify(gamma)
+    fresh = est.draft(gamma) + est.rtt_s + verify
+    if depth == 0:
+        return tokens / fresh if fresh > 0 else float("inf")
+    ahead = est.draft(gamma + 1)  # a pipelined proposal drafts the guessed bonus and γ tokens
+    period = max(ahead, verify, (ahead + est.rtt_s + verify) / (depth + 1))
+    live = 1.0
+    for i in range(gamma + 1):
+        live *= est.acceptance[i]
+    busy = min(1.0, ahead / period) if period > 0 else 1.0
+    cost = (1 - live) * (fresh + busy * ahead / 2) + live * period
+    return tokens / cost if cost > 0 else float("inf")
+
+
+def best_setting(
+    est: Estimates, gammas: range, depths: range, current: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """argmax of tokens_per_second over the grid; ties (within 1e-9) keep `current`, then the smaller."""
+    scored = [(tokens_per_second(est, g, d), -g, -d) for g in gammas for d in depths]
+    best = max(scored)
+    if current is not None and current[0] in gammas and current[1] in depths:
+        if tokens_per_second(est, *current) >= best[0] * (1 - 1e-9):
+            return current
+    return -best[1], -best[2]
+
+
+@dataclass
+class Tuner:
+    """The running estimates and the current (γ, depth) of one edge: kept across generations, since
+    the drafter, the link and the verifier outlive a request. Fed by the planner and the transport."""
+
+    config: TunerConfig = field(default_factory=TunerConfig)
+    rounds: int = 0  # verified rounds seen
+    choice: tuple[int, int] = (0, 0)  # current (γ, depth); set from config.initial
+    moves: int = 0  # times the choice changed
+    rtt_s: float | None = None
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.choice = (min(c.initial[0], c.max_gamma), min(c.initial[1], c.max_depth))
+        size = c.max_gamma + 2  # positions 0..max_gamma (the last: the guessed bonus)
+        self._accepted = [0.0] * size  # decayed counts of acceptance by position
+        self._reached = [0.0] * size
+        self.draft = CostLine(c.smoothing, c.fixed_share_draft)
+        self.verify = CostLine(c.smoothing, c.fixed_share_verify)
+        self._last_move = 0
+
+    # --- what is measured ---
+
+    def observe_verdict(self, draft_tokens: int, accepted: int, cut: bool) -> None:
+        """A verified round of `draft_tokens` of which the first `accepted` were accepted; `cut`: the
+        round ended by a finish, so the position after the accepted ones was not judged."""
+        decay = 1 - self.config.smoothing
+        judged = accepted + (0 if cut or accepted >= draft_tokens else 1)
+        for i in range(min(judged, len(self._reached))):
+            self._accepted[i] = decay * self._accepted[i] + (i < accepted)
+            self._reached[i] = decay * self._reached[i] + 1
+        self.rounds += 1
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        """One drafter call that drafted `tokens` (the guessed bonus included)."""
+        self.draft.observe(tokens, seconds)
+
+    def observe_verify(self, draft_tokens: int, seconds: float) -> None:
+        """The verifier's forward for a proposal of `draft_tokens` (over draft_tokens + 1 positions)."""
+        if seconds > 0:
+            self.verify.observe(draft_tokens + 1, seconds)
+
+    def observe_round(self, round_s: float, verify_s: float, queued: bool) -> None:
+        """Send to verdict of a verified proposal; `queued`: others were in flight when it was sent, so
+        it may have waited behind them, and its figure only bounds the round trip from above."""
+        sample = max(0.0, round_s - verify_s)
+        if self.rtt_s is None:
+            self.rtt_s = sample
+        elif not queued or sample < self.rtt_s:
+            self.rtt_s += self.config.smoothing * (sample - self.rtt_s)
+
+    # --- what follows from it ---
+
+    def acceptance(self) -> tuple[float, ...]:
+        """α_i for every position: each position's decayed counts, shrunk towards the pooled rate."""
+        c = self.config
+        pooled = (sum(self._accepted) + c.prior_acceptance * c.prior_weight) / (
+            sum(self._reached) + c.prior_weight
+        )
+        return tuple(
+            (a + pooled * c.prior_weight) / (n + c.prior_weight)
+            for a, n in zip(self._accepted, self._reached, strict=True)
+        )
+
+    def estimates(self) -> Estimates:
+        draft_fixed, draft_token = self.draft.line()
+        verify_fixed, verify_position = self.verify.line()
+        return Estimates(
+            self.acceptance(), draft_fixed, draft_token, verify_fixed, verify_position, self.rtt_s or 0.0
+        )
+
+    def choose(
+        self, gamma: int | None = None, depth: int | None = None, max_gamma: int = 0
+    ) -> tuple[int, int]:
+        """The (γ, depth) to use now; `gamma` or `depth` given fixes that one and the other is tuned.
+        `max_gamma`: the verifier's cap (0: none). Moves the current choice only as the hysteresis allows."""
+        c = self.config
+        top = min(c.max_gamma, max_gamma) if max_gamma else c.max_gamma
+        gammas = range(gamma, gamma + 1) if gamma else range(1, top + 1)
+        depths = range(depth, depth + 1) if depth is not None else range(0, c.max_depth + 1)
+        current = (
+            min(max(self.choice[0], gammas[0]), gammas[-1]),
+            min(max(self.choice[1], depths[0]), depths[-1]),
+        )
+        ready = self.rounds >= c.warmup and self.draft.seen and self.rtt_s is not None
+        if ready and self.rounds - self._last_move >= c.dwell:
+            est = self.estimates()
+            step = range(
+                max(gammas[0], current[0] - c.max_step), min(gammas[-1], current[0] + c.max_step) + 1
+            )
+            target = best_setting(est, step, depths, current)
+            if target != current and tokens_per_second(est, *target) > (1 + c.margin) * tokens_per_second(
+                est, *current
+            ):
+                current = target
+                self._last_move = self.rounds
+                self.moves += 1
+        self.choice = current
+        return current

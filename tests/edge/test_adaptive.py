@@ -1,0 +1,222 @@
+"""Adaptive speculation's policy (edge_client.adaptive): tables of hand-built conditions and the (γ, depth)
+they call for, the estimates converging on a simulated edge, no thrashing, and the planner's output
+unchanged whatever it chooses. Torch-free: CI runs these in the edge-only environment too.
+"""
+
+import random
+
+import pytest
+
+from draftwire.contract import ModelInfo
+from edge_client.adaptive import (
+    CostLine,
+    Estimates,
+    Tuner,
+    TunerConfig,
+    best_setting,
+    expected_tokens,
+    tokens_per_second,
+)
+from edge_client.planner import GenerationRequest, Planner
+from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info, target_continuation
+
+GAMMAS, DEPTHS = range(1, 9), range(0, 4)
+MS = 1e-3
+
+
+def case(alpha=0.7, draft_ms=1.0, verify_ms=10.0, rtt_ms=0.0, verify_position_ms=0.0, draft_fixed_ms=0.0):
+    return Estimates(
+        acceptance=(alpha,) * 10,
+        draft_fixed_s=draft_fixed_ms * MS,
+        draft_token_s=draft_ms * MS,
+        verify_fixed_s=verify_ms * MS,
+        verify_position_s=verify_position_ms * MS,
+        rtt_s=rtt_ms * MS,
+    )
+
+
+def test_expected_tokens_is_the_sum_of_reach_probabilities():
+    assert expected_tokens((0.5,) * 4, 0) == 1.0
+    assert expected_tokens((1.0,) * 4, 3) == 4.0
+    assert expected_tokens((0.5, 0.5), 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens((0.9, 0.0, 1.0), 3) == pytest.approx(1 + 0.9)  # nothing passes position 1
+
+
+def test_without_pipelining_a_round_costs_draft_wire_and_verify():
+    est = case(alpha=0.5, draft_ms=2, verify_ms=10, rtt_ms=20)
+    assert tokens_per_second(est, 2, 0) == pytest.approx(1.75 / ((4 + 20 + 10) * MS))
+
+
+# (what the edge measures, what it should choose), each against the grid γ 1..8, depth 0..3.
+# case(α, draft ms per token, verify ms, RTT ms)
+@pytest.mark.parametrize(
+    "name, est, check",
+    [
+        ("slow draft -> small γ", case(0.7, 30, 10), lambda g, d: g <= 2),
+        ("low acceptance -> small γ", case(0.2, 2, 10), lambda g, d: g <= 2),
+        ("high acceptance, cheap draft -> large γ", case(0.95, 0.5, 10), lambda g, d: g >= 6),
+        ("high RTT -> a deep pipeline", case(0.9, 2, 5, 80), lambda g, d: d >= 2),
+        ("no RTT, slow verifier -> shallow", case(0.7, 1, 10), lambda g, d: d <= 1),
+        ("acceptance 0 -> γ 1, no pipeline", case(0.0, 1, 10, 30), lambda g, d: (g, d) == (1, 0)),
+    ],
+)
+def test_the_choice_follows_the_conditions(name, est, check):
+    assert check(*best_setting(est, GAMMAS, DEPTHS)), name
+
+
+def test_more_rtt_never_asks_for_a_shallower_pipeline():
+    depths = [
+        best_setting(case(alpha=0.85, draft_ms=2, verify_ms=8, rtt_ms=r), GAMMAS, DEPTHS)[1]
+        for r in (0, 10, 30, 80)
+    ]
+    assert depths == sorted(depths) and depths[-1] > depths[0]
+
+
+def test_a_verify_cost_per_position_shortens_γ():
+    flat = best_setting(case(alpha=0.8, draft_ms=1, verify_ms=10), GAMMAS, range(1))
+    steep = best_setting(case(alpha=0.8, draft_ms=1, verify_ms=2, verify_position_ms=8), GAMMAS, range(1))
+    assert steep[0] < flat[0]
+
+
+def test_cost_line_fits_a_line_and_guesses_from_one_size():
+    line = CostLine(smoothing=0.2, fixed_share=0.5)
+    assert line(4) == 0.0
+    line.observe(5, 0.010)
+    assert line(5) == pytest.approx(0.010) and line(10) == pytest.approx(0.015)  # half of it fixed
+    for _ in range(10):
+        line.observe(3, 0.004 + 0.002 * 3)
+        line.observe(6, 0.004 + 0.002 * 6)
+    fixed, slope = line.line()
+    assert slope > 0.001 and line(8) > line(4)
+
+
+class SimulatedEdge:
+    """A known edge to feed a Tuner: i.i.d. acceptance α, draft t_d per token, verify V(n), RTT."""
+
+    def __init__(self, alpha, draft_ms, verify_fixed_ms, verify_position_ms, rtt_ms, noise=0.1, seed=7):
+        self.alpha, self.draft_s, self.rtt_s = alpha, draft_ms * MS, rtt_ms * MS
+        self.verify_fixed_s, self.verify_position_s = verify_fixed_ms * MS, verify_position_ms * MS
+        self.noise, self.rng = noise, random.Random(seed)
+
+    def jitter(self, seconds):
+        return seconds * (1 + self.noise * (2 * self.rng.random() - 1))
+
+    def round(self, tuner: Tuner, gamma: int, queued: bool = False) -> None:
+        tuner.observe_draft(gamma, self.jitter(self.draft_s * gamma))
+        accepted = next((i for i in range(gamma) if self.rng.random() > self.alpha), gamma)
+        verify = self.jitter(self.verify_fixed_s + self.verify_position_s * (gamma + 1))
+        tuner.observe_verdict(gamma, accepted, cut=False)
+        tuner.observe_verify(gamma, verify)
+        wait = verify if queued else 0.0  # a proposal queued behind another waits for its forward
+        tuner.observe_round(self.jitter(self.rtt_s) + verify + wait, verify, queued)
+
+
+def test_the_estimates_converge_on_the_measured_edge():
+    edge = SimulatedEdge(alpha=0.7, draft_ms=2, verify_fixed_ms=6, verify_position_ms=1, rtt_ms=30)
+    tuner = Tuner(TunerConfig(smoothing=0.01))
+    for i in range(5000):
+        gamma, _ = tuner.choose()
+        edge.round(tuner, gamma, queued=i % 2 == 1)
+    est = tuner.estimates()
+    assert est.acceptance[0] == pytest.approx(0.7, abs=0.06)
+    assert est.acceptance[1] == pytest.approx(0.7, abs=0.08)
+    assert est.rtt_s == pytest.approx(0.030, rel=0.1)  # queued rounds do not inflate it
+    assert est.draft(4) == pytest.approx(0.008, rel=0.15)
+    assert est.verify(4) == pytest.approx(0.006 + 0.005, rel=0.15)
+
+
+@pytest.mark.parametrize(
+    "edge, check",
+    [
+        (
+            SimulatedEdge(0.9, draft_ms=0.5, verify_fixed_ms=10, verify_position_ms=0, rtt_ms=0),
+            lambda g, d: g >= 6,
+        ),
+        (
+            SimulatedEdge(0.7, draft_ms=25, verify_fixed_ms=10, verify_position_ms=0, rtt_ms=0),
+            lambda g, d: g <= 2,
+        ),
+        (
+            SimulatedEdge(0.85, draft_ms=2, verify_fixed_ms=5, verify_position_ms=0, rtt_ms=80),
+            lambda g, d: d >= 2,
+        ),
+    ],
+)
+def test_the_tuner_moves_from_its_initial_choice_to_the_right_one(edge, check):
+    tuner = Tuner()
+    for _ in range(200):
+        gamma, _ = tuner.choose()
+        edge.round(tuner, gamma)
+    assert check(*tuner.choose()), tuner.choice
+
+
+def test_no_thrash_on_a_noisy_edge_between_two_good_settings():
+    # α, draft and verify costs where neighbouring γ are within a few per cent of each other, with 30 %
+    # noise on every time: the choice settles and stays, it does not flip round by round.
+    edge = SimulatedEdge(
+        alpha=0.75, draft_ms=3, verify_fixed_ms=10, verify_position_ms=0.5, rtt_ms=10, noise=0.3
+    )
+    tuner = Tuner()
+    choices = []
+    for _ in range(1000):
+        choices.append(tuner.choose())
+        edge.round(tuner, choices[-1][0])
+    changes = sum(a != b for a, b in zip(choices, choices[1:], strict=False))
+    assert changes <= 10, changes
+    assert len(set(choices[500:])) <= 2
+
+
+def test_fixing_one_dimension_tunes_only_the_other_and_the_verifier_caps_γ():
+    edge = SimulatedEdge(alpha=0.95, draft_ms=0.5, verify_fixed_ms=10, verify_position_ms=0, rtt_ms=40)
+    tuner = Tuner()
+    for _ in range(200):
+        gamma, depth = tuner.choose(depth=0, max_gamma=5)
+        assert depth == 0 and gamma <= 5
+        edge.round(tuner, gamma)
+    assert tuner.choose(depth=0, max_gamma=5)[0] == 5
+    assert tuner.choose(gamma=3)[0] == 3
+
+
+def test_γ_moves_in_steps():
+    edge = SimulatedEdge(alpha=0.97, draft_ms=0.2, verify_fixed_ms=20, verify_position_ms=0, rtt_ms=0)
+    tuner = Tuner(TunerConfig(initial=(1, 0)))
+    seen = []
+    for _ in range(200):
+        seen.append(tuner.choose()[0])
+        edge.round(tuner, seen[-1])
+    assert max(abs(a - b) for a, b in zip(seen, seen[1:], strict=False)) <= TunerConfig().max_step
+    assert seen[-1] == 8
+
+
+PROMPT = (5, 9, 12)
+INFO = ModelInfo(fake_info(), max_gamma=8, max_message_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("wrong", [(), (4, 11, 12, 30), tuple(range(3, 90, 3))])
+@pytest.mark.parametrize("gamma, pipeline", [(None, None), (3, None), (None, 1)])
+def test_an_adaptive_plan_commits_the_targets_tokens(wrong, gamma, pipeline):
+    tuner = Tuner(TunerConfig(warmup=1, dwell=1))
+    edge = SimulatedEdge(alpha=0.9, draft_ms=0.5, verify_fixed_ms=10, verify_position_ms=0, rtt_ms=40)
+    edge.round(tuner, 4)  # timings, so that the tuner moves during the generation
+    request = GenerationRequest(PROMPT, max_new_tokens=60, gamma=gamma, ignore_eos=True, pipeline=pipeline)
+    plan = Planner(request, INFO, tuner=tuner)
+    verifier, drafter, waiting, gammas = FakeVerifier(request.spec()), MistakenDrafter(wrong), [], set()
+    while not plan.finished:
+        if len(waiting) > 1:
+            plan.apply(waiting.pop(0))
+        elif (proposal := plan.next_proposal()) is not None:
+            gammas.add(len(proposal.draft_token_ids))
+            waiting.append(verifier.answer(proposal))
+        elif (job := plan.next_draft()) is not None:
+            plan.add_draft(job, drafter.propose(job.base, job.gamma, request.sampling, plan.stops))
+        else:
+            plan.apply(waiting.pop(0))
+    assert plan.committed == [*PROMPT, *target_continuation(PROMPT, 60)]
+    assert gamma is None or gammas <= {1, 2, 3}
+    assert tuner.rounds > 1
+
+
+def test_a_fixed_request_leaves_the_tuner_alone():
+    tuner = Tuner()
+    plan = Planner(GenerationRequest(PROMPT, gamma=4, pipeline=0), INFO, tuner=tuner)
+    assert plan.tuner is None and plan.setting() == (4, 0)

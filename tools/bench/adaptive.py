@@ -1,0 +1,218 @@
+"""`python -m tools.bench.adaptive`: adaptive speculation (the default of generate, chat, demo and the edge
+app) against every fixed (γ, depth) of a grid, at each RTT and sampling mode, in one run.
+
+It reuses `draftwire bench`'s machinery (tools/bench/speed.py): the same prompts, the verifier as a
+`draftwire serve` child, the delaying proxy for the RTT, the two-device pinning, and the target alone
+(arm a, in a child on the verifier's cores) as the reference every output must equal. A point is one
+(RTT, mode); at each, the adaptive row (one tuner learning across the point's prompts, as in a chat)
+is compared with the best fixed setting there, and over the whole set with every fixed setting (the sum
+of tokens/s and their geometric mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from tools.bench.speed import BenchConfig, Row, _route, run_draftwire
+from tools.testkit.serverproc import ServerProcess
+
+WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
+
+
+async def run_all(config: BenchConfig, log=print) -> dict:
+    """Every point: the adaptive row, then each fixed (γ in config.gammas, depth in config.pipelines)."""
+    from tools.bench import target_arms
+
+    reference = {r.mode: r for r in target_arms.in_child(config, log) if r.arm == "a"}
+    if config.edge_cpus:
+        os.sched_setaffinity(0, config.edge_cpus)  # before llama.cpp starts its threads, which inherit it
+    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
+    threads = len(config.verifier_cpus) or config.verifier_threads
+    flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(threads), "--dtype", config.dtype]
+    flags += [] if config.invariant else ["--no-bit-exact"]
+    rows: list[Row] = []
+    with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
+        host, port = server.address.rsplit(":", 1)
+        for rtt in config.rtts_ms:
+            async with _route(host, int(port), rtt) as address:
+                for mode in reference:
+                    settings = [(None, None)] + [(g, d) for g in config.gammas for d in config.pipelines]
+                    for gamma, depth in settings:
+                        name = "adaptive" if gamma is None else f"gamma {gamma}, pipelined {depth}"
+                        log(f"{rtt:g} ms RTT, {mode}: {name}")
+                        rows.append(
+                            await run_draftwire(
+                                config, drafter, address, server.address, mode, gamma, rtt, depth
+                            )
+                        )
+                        rows[-1].pipeline = -1 if depth is None else depth  # -1: the adaptive row
+    return summarize(config, reference, rows)
+
+
+def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -> dict:
+    """Per point the adaptive and the best fixed tokens/s; over the set, adaptive against each fixed."""
+    points, fixed_rates = [], {}
+    for rtt in config.rtts_ms:
+        for mode in reference:
+            here = [r for r in rows if r.rtt_ms == rtt and r.mode == mode]
+            adaptive = next(r for r in here if r.pipeline == -1)
+            fixed = [r for r in here if r.pipeline != -1]
+            best = max(fixed, key=lambda r: r.tokens_per_s)
+            for r in fixed:
+                fixed_rates.setdefault((r.gamma, r.pipeline), []).append(r.tokens_per_s)
+            points.append(
+                {
+                    "rtt_ms": rtt,
+                    "mode": mode,
+                    "adaptive_tokens_per_s": adaptive.tokens_per_s,
+                    "adaptive_label": adaptive.label,
+                    "adaptive_acceptance": adaptive.acceptance,
+                    "best_fixed": [best.gamma, best.pipeline],
+                    "best_fixed_tokens_per_s": best.tokens_per_s,
+                    "of_best": adaptive.tokens_per_s / best.tokens_per_s,
+                    "within": adaptive.tokens_per_s >= (1 - WITHIN) * best.tokens_per_s,
+                    "rank": 1 + sum(r.tokens_per_s > adaptive.tokens_per_s for r in fixed),
+                    "fixed_settings": len(fixed),
+                }
+            )
+    adaptive_rates = [p["adaptive_tokens_per_s"] for p in points]
+    overall = {
+        "adaptive": {"sum": sum(adaptive_rates), "geomean": _geomean(adaptive_rates)},
+        "fixed": {f"{g},{d}": {"sum": sum(v), "geomean": _geomean(v)} for (g, d), v in fixed_rates.items()},
+    }
+    best_sum = max(overall["fixed"].items(), key=lambda kv: kv[1]["sum"])
+    best_geo = max(overall["fixed"].items(), key=lambda kv: kv[1]["geomean"])
+    overall["best_fixed_by_sum"] = best_sum[0]
+    overall["best_fixed_by_geomean"] = best_geo[0]
+    overall["beats_every_fixed_by_sum"] = overall["adaptive"]["sum"] > best_sum[1]["sum"]
+    overall["beats_every_fixed_by_geomean"] = overall["adaptive"]["geomean"] > best_geo[1]["geomean"]
+    overall["within_at_every_point"] = all(p["within"] for p in points)
+    exact = {
+        f"{r.mode}/rtt{r.rtt_ms:g}/" + ("adaptive" if r.pipeline == -1 else f"g{r.gamma}/p{r.pipeline}"): (
+            r.outputs == reference[r.mode].outputs
+        )
+        for r in rows
+    }
+    return {
+        "config": {
+            k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "prompts"
+        },
+        "prompts": len(config.prompts),
+        "target_alone_tokens_per_s": {m: r.tokens_per_s for m, r in reference.items()},
+        "points": points,
+        "overall": overall,
+        "rows": [
+            {**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tokens_per_s": r.tokens_per_s}
+            for r in rows
+        ],
+        "exact": exact,
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values and min(values) > 0 else 0.0
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| RTT ms | mode | adaptive tok/s | where it ended | best fixed (γ, depth) | best tok/s | of best "
+        "| within 5 % | rank |",
+        "|" + "---|" * 9,
+    ]
+    for p in report["points"]:
+        ended = p["adaptive_label"].split("adaptive ")[-1].strip("()")
+        lines.append(
+            f"| {p['rtt_ms']:g} | {p['mode']} | {p['adaptive_tokens_per_s']:.1f} | {ended} "
+            f"| {tuple(p['best_fixed'])} | {p['best_fixed_tokens_per_s']:.1f} | {p['of_best']:.2f} "
+            f"| {'yes' if p['within'] else 'no'} | {p['rank']} of {p['fixed_settings'] + 1} |"
+        )
+    o = report["overall"]
+    fixed = sorted(o["fixed"].items(), key=lambda kv: -kv[1]["geomean"])
+    lines += [
+        "",
+        "| setting | sum tok/s | geomean tok/s |",
+        "|---|---|---|",
+        f"| **adaptive** | {o['adaptive']['sum']:.1f} | {o['adaptive']['geomean']:.2f} |",
+        *(
+            f"| fixed γ {k.replace(',', ', depth ')} | {v['sum']:.1f} | {v['geomean']:.2f} |"
+            for k, v in fixed
+        ),
+        "",
+        f"within 5 % of the best fixed setting at every point: {_yes(o['within_at_every_point'])}",
+        f"beats every fixed setting over the set: by sum {'yes' if o['beats_every_fixed_by_sum'] else 'no'}"
+        f" (best fixed {o['best_fixed_by_sum']}), by geometric mean "
+        f"{'yes' if o['beats_every_fixed_by_geomean'] else 'no'} (best fixed {o['best_fixed_by_geomean']})",
+    ]
+    bad = [k for k, ok in report["exact"].items() if not ok]
+    lines.append("every output equals the target alone's" if not bad else f"outputs differing: {bad}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    from tools.cli import _add_target_numerics, _ids, _rig
+
+    p = argparse.ArgumentParser(prog="python -m tools.bench.adaptive", description=__doc__)
+    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
+    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per point")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
+    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gammas", type=_ids, default=(1, 2, 3, 4, 6, 8), help="the fixed grid's γ")
+    p.add_argument("--depths", type=_ids, default=(0, 1, 2), help="the fixed grid's pipeline depths")
+    p.add_argument("--rtts", type=_ids, default=(0, 10, 30, 80), help="round-trip times in ms (0: loopback)")
+    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
+    p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=_rig, default=((), ()))
+    p.add_argument("--temperature", type=float, default=0.7, help="of the seeded sampled runs")
+    _add_target_numerics(p)
+    p.add_argument("--out", type=Path, default=Path("runs/adaptive"), help="adaptive.json, adaptive.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.bench.prompts import chat_prompts, heldout_prompts
+
+    args = parser().parse_args(argv)
+    config = BenchConfig(
+        target_dir=args.target,
+        draft_gguf=args.draft,
+        draft_hf=None,
+        prompts=(
+            chat_prompts(args.target, args.prompts)
+            if args.chat
+            else heldout_prompts(args.target, args.prompts, args.prompt_tokens)
+        ),
+        max_new_tokens=args.max_new_tokens,
+        gammas=args.gammas,
+        rtts_ms=args.rtts,
+        pipelines=args.depths,
+        draft_threads=args.draft_threads,
+        edge_cpus=args.two_device[0],
+        verifier_cpus=args.two_device[1],
+        temperature=args.temperature,
+        dtype=args.dtype,
+        invariant=args.invariant,
+    )
+    report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "adaptive.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (args.out / "adaptive.md").write_text(table + "\n")
+    print(table)
+    return 0 if all(report["exact"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
