@@ -44,3 +44,23 @@ def test_loadtest_drives_concurrent_sessions_through_the_pool(pool_server):
     # Over both replicas: the load's rounds plus the recording's (one per distinct prompt).
     assert stats.rounds >= report["rounds"] and stats.sessions_opened >= report["generations"] + 4
     assert pool_server.healthy()
+
+
+def test_loadtest_mixes_thin_and_edge_sessions(server):
+    """--drafting mix: a third of the sessions each edge, none and ngram, all exact, reported per kind."""
+    command = [DRAFTWIRE, "loadtest", "--server", server.address, "--sessions", "6", "--duration", "2"]
+    command += ["--new-tokens", "12", "--prompts", "3", "--drafting", "mix", "--json"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["drafting"] == "mix" and report["errors"] == {} and report["mismatches"] == 0
+    kinds = report["by_kind"]
+    assert sorted(kinds) == ["edge", "ngram", "none"]
+    for kind in kinds.values():
+        assert kind["sessions"] == 2 and kind["generations"] >= 2 and kind["mismatches"] == 0
+        assert kind["tokens"] == 12 * kind["generations"] and kind["ttft_ms_p50"] > 0
+    assert sum(k["tokens"] for k in kinds.values()) == report["tokens"]
+    assert kinds["none"]["tokens_per_round"] == 1.0 and kinds["none"]["acceptance_rate"] is None
+    assert kinds["edge"]["tokens_per_round"] > 1.0  # replayed drafts, 80 % of them on script
+    text = report_text(report)
+    assert "  none: 2 sessions" in text and "  edge: 2 sessions" in text

@@ -143,6 +143,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
     p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts, recorded once before the load")
+    p.add_argument(
+        "--drafting",
+        choices=("edge", "none", "ngram", "mix"),
+        default="edge",
+        help="edge: replayed edge drafts; none, ngram: thin sessions the verifier decodes; mix: a third each",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
@@ -384,6 +390,7 @@ def _loadtest(args) -> int:
         new_tokens=args.new_tokens,
         corrupt=args.corrupt,
         prompts=args.prompts,
+        drafting=args.drafting,
     )
 
     async def run() -> dict:
