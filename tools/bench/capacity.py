@@ -69,19 +69,21 @@ ARMS = {
 
 class RecordedDrafter:
     """The real draft's greedy proposals along the target's output of one prompt, replayed: tokens in,
-    tokens out, after the time the real draft took for that many tokens."""
+    tokens out, after the time the real draft took for that many tokens (and, the first time, for the
+    prompt's evaluation)."""
 
-    def __init__(self, script, table, vocabulary, seconds_per_token: float, executor):
+    def __init__(self, script, prompt_length, table, vocabulary, timing: tuple[float, float], executor):
         """`script`: prompt plus the target's output; `table[p]`: the draft's proposal after script[:p]
-        (for p from the prompt's length on)."""
-        self.script, self.table = list(script), table
+        (for p from `prompt_length` on); `timing`: the draft's (seconds a token, seconds to evaluate
+        this prompt)."""
+        self.script, self.prompt_length, self.table = list(script), prompt_length, table
         self.vocabulary = vocabulary
-        self.seconds_per_token = seconds_per_token
+        self.seconds_per_token, self.prefill_s = timing
         self.executor = executor  # sleeps off the event loop, each session as if on its own device
 
     def propose(self, sequence, gamma: int, params: SamplingParams, stop_token_ids=()) -> list[int]:
-        time.sleep(gamma * self.seconds_per_token)
         n = len(sequence)
+        time.sleep(gamma * self.seconds_per_token + (self.prefill_s if n == self.prompt_length else 0.0))
         draft = self.table.get(n, [])[:gamma]
         if list(sequence) != self.script[:n] or len(draft) < gamma:
             # Off the target's path (this proposal will come back stale) or past the recording.
@@ -185,22 +187,32 @@ def _replayed(drafter) -> bool:
 
 def record_drafts(config: CapacityConfig, references, log=print):
     """For each prompt, the real draft's greedy proposal of gamma + 1 tokens (a pipelined proposal asks
-    one more: its guess of the bonus) after every prefix of the target's output; and the draft's mean
-    seconds per drafted token. Runs on this process's cores, one llama.cpp thread."""
+    one more: its guess of the bonus) after every prefix of the target's output; the draft's mean
+    seconds per drafted token (after a prompt's first proposal, each extends the last prefix by one
+    token, as a round does by its few); and per prompt, the seconds its evaluation added to its first
+    proposal. Runs on this process's cores, one llama.cpp thread."""
     from edge_client.drafter import DrafterConfig, LlamaDrafter
 
     drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_ctx=_n_ctx(config), n_threads=1))
-    tables, seconds, drafted = [], 0.0, 0
+    tables, firsts, seconds, drafted = [], [], 0.0, 0
     for prompt, output in zip(config.prompts, references, strict=True):
         script, table = [*prompt, *output], {}
         for p in range(len(prompt), len(script)):
             start = time.perf_counter()
             table[p] = drafter.propose(script[:p], config.gamma + 1, SamplingParams())
-            seconds += time.perf_counter() - start
-            drafted += len(table[p])
+            took = time.perf_counter() - start
+            if p == len(prompt):
+                firsts.append((took, len(table[p])))
+            else:
+                seconds, drafted = seconds + took, drafted + len(table[p])
         tables.append(table)
-    log(f"recorded {drafted} draft tokens, {1000 * seconds / drafted:.2f} ms a token")
-    return drafter.vocabulary, tables, seconds / drafted
+    per_token = seconds / max(1, drafted)
+    prefills = [max(0.0, took - n * per_token) for took, n in firsts]
+    log(
+        f"recorded {drafted} draft tokens, {1000 * per_token:.2f} ms a token; "
+        f"a prompt's evaluation {1000 * statistics.fmean(prefills):.0f} ms"
+    )
+    return drafter.vocabulary, tables, per_token, prefills
 
 
 def _n_ctx(config: CapacityConfig) -> int:
@@ -232,7 +244,7 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         log(f"reference: {len(config.prompts)} prompts, the target alone")
         reference = await run_wave(server.address, config, "a", len(config.prompts))
         references = reference["outputs"]
-        vocabulary, tables, per_token = record_drafts(config, references, log)
+        vocabulary, tables, per_token, prefills = record_drafts(config, references, log)
         replay_pool = ThreadPoolExecutor(max_workers=max(config.sessions), thread_name_prefix="replay")
         live = [
             LlamaDrafter(DrafterConfig(config.draft_gguf, n_ctx=_n_ctx(config), n_threads=1))
@@ -242,25 +254,28 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
             replayed = [
                 RecordedDrafter(
                     [*config.prompts[i % len(config.prompts)], *references[i % len(config.prompts)]],
+                    len(config.prompts[i % len(config.prompts)]),
                     tables[i % len(config.prompts)],
                     vocabulary,
-                    per_token,
+                    (per_token, prefills[i % len(config.prompts)]),
                     replay_pool,
                 )
                 for i in range(n)
             ]
             cells = [("a", None), ("b", None), ("c", replayed)]
             cells += [("c", live[:n])] if n <= config.live_max else []
-            for arm, drafters in cells:
-                waves = []
-                for _ in range(config.repeats):
+            # The arms take turns, repeat by repeat, so that drift on a shared machine touches them alike.
+            by_cell: list[list[dict]] = [[] for _ in cells]
+            for _ in range(config.repeats):
+                for (arm, drafters), waves in zip(cells, by_cell, strict=True):
                     waves.append(await run_wave(server.address, config, arm, n, drafters))
+            for waves in by_cell:
                 row = _median_wave(waves)
                 expected = [references[i % len(config.prompts)] for i in range(n)]
                 row["exact"] = row.pop("outputs") == expected
                 for w in waves:
                     row["exact"] &= w["outputs"] == expected
-                log(json.dumps(row))  # each cell as it ends: a run cut short keeps what it measured
+                log(json.dumps(row))  # a run cut short keeps what it measured
                 rows.append(row)
         replay_pool.shutdown()
     return {
@@ -270,6 +285,7 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         "prompts": len(config.prompts),
         "prompt_tokens_mean": statistics.fmean(map(len, config.prompts)),
         "draft_ms_per_token": 1000 * per_token,
+        "draft_prompt_ms_mean": 1000 * statistics.fmean(prefills),
         "rows": rows,
         "ratios": ratios(rows),
     }
@@ -290,7 +306,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"{report['prompts']} prompts (mean {report['prompt_tokens_mean']:.0f} tokens), "
         f"{c['new_tokens']} new tokens a session, greedy; (c) γ {c['gamma']}, pipeline {c['pipeline']}, "
-        f"draft {report['draft_ms_per_token']:.1f} ms a token; verifier on cores {c['verifier_cpus']}, "
+        f"draft {report['draft_ms_per_token']:.1f} ms a token, "
+        f"{report['draft_prompt_ms_mean']:.0f} ms a prompt; verifier on cores {c['verifier_cpus']}, "
         f"edges on {c['edge_cpus']}; prefill counted everywhere",
         "",
         "| N | arm | drafts | served tok/s | × (a) | bound tok/s | session tok/s p50 | p10 | TTFT ms p50 "
