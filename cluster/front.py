@@ -16,13 +16,15 @@ from grpc_health.v1 import health_pb2
 
 from cluster.pool import NoReplica, Pool
 from cluster.routing import State
-from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
+from verifier_service import auth
 from verifier_service.servicer import (
     SERVICE,
+    STATS_DENIED,
     ServerConfig,
     add_health_and_reflection,
     bind_and_start,
+    make_server,
     start_metrics,
 )
 
@@ -76,7 +78,7 @@ class Front:
 
         Raises RuntimeError when the address cannot be bound.
         """
-        self.server = grpc.aio.server(options=wire.message_size_options(self.config.max_message_bytes))
+        self.server = make_server(self.config)  # edges authenticate here; replicas trust the front
         handlers = {
             # No (de)serializers: the Session stream and model info pass through as bytes.
             "Session": grpc.stream_stream_rpc_method_handler(self._session),
@@ -89,7 +91,7 @@ class Front:
         }
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
         self._health = add_health_and_reflection(self.server)
-        port = await bind_and_start(self.server, self.config.host, self.config.port)
+        port = await bind_and_start(self.server, self.config.host, self.config.port, self.config.tls)
         if self.config.metrics_port is not None:
             loop = asyncio.get_running_loop()
 
@@ -111,7 +113,8 @@ class Front:
             slot = await self.pool.acquire()
         except NoReplica as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")()
+        metadata = self.pool.hop_metadata(auth.caller())
+        call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
         up = asyncio.get_running_loop().create_task(_pump(request_iterator, call))
         try:
             while (reply := await call.read()) is not grpc.aio.EOF:
@@ -131,19 +134,24 @@ class Front:
         except NoReplica as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         try:
-            return await self.pool.channel(slot).unary_unary(f"/{SERVICE}/GetModelInfo")(request)
+            call = self.pool.channel(slot).unary_unary(f"/{SERVICE}/GetModelInfo")
+            return await call(request, metadata=self.pool.hop_metadata(auth.caller()))
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details() or "")
 
     async def _stats(self, request: pb.StatsRequest, context) -> pb.ServerStats:
-        """Sums the counters of the replicas that serve now (a restarted replica starts from zero)."""
+        """Sums the counters of the replicas that serve now (a restarted replica starts from zero); for
+        admins only when clients authenticate, as on a single verifier."""
+        if context is not None and not auth.caller().admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, STATS_DENIED)
+        metadata = self.pool.hop_metadata(auth.Identity("front", admin=True))
         slots = self.pool.table.of(State.LIVE, State.DRAINING)
         calls = [
             self.pool.channel(s).unary_unary(
                 f"/{SERVICE}/GetStats",
                 request_serializer=pb.StatsRequest.SerializeToString,
                 response_deserializer=pb.ServerStats.FromString,
-            )(request, timeout=10)
+            )(request, timeout=10, metadata=metadata)
             for s in slots
         ]
         total = pb.ServerStats()

@@ -13,15 +13,19 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
+import ssl
+import tempfile
 
 import grpc
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.config import PoolConfig
+from cluster.config import PoolConfig, ReplicaConfig
 from cluster.replica import ReplicaInfo, VerifierReplica
 from cluster.routing import Autoscaler, RoutingTable, Slot, State
 from draftwire import wire
+from verifier_service.auth import ADMIN_HEADER, CLIENT_HEADER, AuthConfig, Identity, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,12 @@ class Pool:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._replica_class = ray.remote(VerifierReplica)
+        # Replicas take calls from this front only: each holds the pool's secret (handed over through
+        # Ray) and, when the front serves TLS, serves TLS with the front's certificate, which the front
+        # pins. The secret is made here, so no pool can start without one.
+        self._secret = secrets.token_urlsafe(32)
+        self._replica_config = secured(config.replica, config.front.tls, self._secret)
+        self._hop = hop_credentials(config.front.tls)
 
     # --- data plane helpers (per session, never per round) ---
 
@@ -69,6 +79,14 @@ class Pool:
 
     def channel(self, slot: Slot) -> grpc.aio.Channel:
         return self._channels[slot.name]
+
+    def hop_metadata(self, client: Identity) -> tuple[tuple[str, str], ...]:
+        """What a call to a replica carries: the pool's secret, and the client the front speaks for."""
+        return (
+            ("authorization", f"Bearer {self._secret}"),
+            (CLIENT_HEADER, client.name),
+            (ADMIN_HEADER, "1" if client.admin else "0"),
+        )
 
     def replica_failed(self, slot: Slot) -> None:
         """A stream to the replica broke with UNAVAILABLE: no new session goes there until the pool has
@@ -145,7 +163,7 @@ class Pool:
 
     def _launch(self) -> str:
         name = f"replica-{next(self._names)}"
-        r = self.config.replica
+        r = self._replica_config
         self._actors[name] = self._replica_class.options(
             num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_restarts=r.max_restarts, max_concurrency=16
         ).remote(r)
@@ -205,7 +223,7 @@ class Pool:
             old = self._channels.pop(name, None)
             if old is not None:
                 self._spawn(old.close())
-            self._channels[name] = wire.insecure_channel(info.address, self.config.front.max_message_bytes)
+            self._channels[name] = wire.channel(info.address, self._hop, self.config.front.max_message_bytes)
         self.info[name] = info
         if slot.state is State.DRAINING:
             slot.address = info.address
@@ -276,3 +294,38 @@ class Pool:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("pool task failed", exc_info=task.exception())
+
+
+def secured(replica: ReplicaConfig, tls: TlsConfig | None, secret: str) -> ReplicaConfig:
+    """The replicas' config: only callers holding `secret` are admitted; TLS with the front's certificate
+    and key when the front has them (no client certificate asked: the secret names the front)."""
+    server = dataclasses.replace(
+        replica.server,
+        tls=dataclasses.replace(tls, client_ca=None) if tls else None,
+        auth=AuthConfig(front_secret=secret),
+    )
+    return dataclasses.replace(replica, server=server)
+
+
+def hop_credentials(tls: TlsConfig | None) -> wire.ClientCredentials:
+    """The front's side of the hop: plaintext, or TLS trusting exactly the front's own certificate, under
+    the name it carries (a replica's address is its node's, which the certificate need not name)."""
+    if tls is None:
+        return wire.PLAINTEXT
+    return wire.ClientCredentials(tls=True, ca=tls.cert_chain, server_name=certificate_name(tls.cert_chain))
+
+
+def certificate_name(pem: bytes) -> str:
+    """The first DNS name (else the subject CN) of the first certificate in a PEM chain.
+
+    Raises ValueError when it names none."""
+    first = pem[: pem.index(b"-----END CERTIFICATE-----") + len(b"-----END CERTIFICATE-----")]
+    with tempfile.NamedTemporaryFile(suffix=".pem") as f:
+        f.write(first)
+        f.flush()
+        decoded = ssl._ssl._test_decode_cert(f.name)  # the stdlib's decoder; ssl has no public one
+    names = [v for k, v in decoded.get("subjectAltName", ()) if k == "DNS"]
+    names += [v for rdn in decoded.get("subject", ()) for k, v in rdn if k == "commonName"]
+    if not names:
+        raise ValueError("the server certificate names no host (no DNS subjectAltName, no CN)")
+    return names[0]

@@ -1,10 +1,13 @@
-"""The wire: protobuf messages of draftwire.v1 to and from the contract's dataclasses, and channel options.
+"""The wire: protobuf messages of draftwire.v1 to and from the contract's dataclasses, and the channels.
 
 Both sides translate here and nowhere else, so no protobuf message reaches the edge's planner or the
 verifier's session.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -46,9 +49,86 @@ def message_size_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tup
     ]
 
 
+@dataclass(frozen=True)
+class ClientCredentials:
+    """How a client proves who it talks to and who it is: TLS roots (PEM), a client certificate and key
+    for mTLS, a token sent as `authorization: Bearer T`. Built once at the entry point."""
+
+    tls: bool = False
+    ca: bytes | None = None  # roots the server's certificate must chain to (None: the system's)
+    cert_chain: bytes | None = None  # the client's certificate, for a server that requires one (mTLS)
+    private_key: bytes | None = None
+    token: str | None = None
+    server_name: str | None = None  # the name the server's certificate must carry, if not its address
+
+    def __post_init__(self) -> None:
+        if (self.cert_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+        if (self.cert_chain is not None or self.token) and not self.tls:
+            # gRPC refuses call credentials on a plaintext channel: a token in clear text can be replayed.
+            raise ValueError("a token or a client certificate needs TLS: give the server's CA (--tls-ca)")
+
+    @classmethod
+    def from_files(
+        cls,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        token: str | None = None,
+    ) -> ClientCredentials:
+        """TLS when any file is given. Raises OSError when a file cannot be read, ValueError as above."""
+        read = lambda path: path.read_bytes() if path is not None else None  # noqa: E731
+        tls = any(p is not None for p in (ca, cert, key))
+        return cls(tls, read(ca), read(cert), read(key), token or None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS, with the token as call credentials. Raises ValueError without TLS."""
+        if not self.tls:
+            raise ValueError("plaintext: no channel credentials")
+        creds = grpc.ssl_channel_credentials(self.ca, self.private_key, self.cert_chain)
+        if self.token:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(self.token))
+        return creds
+
+    def options(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int | str]]:
+        name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return [*message_size_options(max_message_bytes), *name]
+
+
+PLAINTEXT = ClientCredentials()
+
+
+def channel(
+    address: str, credentials: ClientCredentials = PLAINTEXT, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> grpc.aio.Channel:
+    """An asyncio channel to a verifier (or a pool's front) at host:port: TLS when the credentials say so.
+    Every client makes its channel here."""
+    options = credentials.options(max_message_bytes)
+    if credentials.tls:
+        return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
 def insecure_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An asyncio channel to a verifier (or a pool's front) at host:port."""
-    return grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
+    """A plaintext asyncio channel (loopback tests and tools)."""
+    return channel(address, PLAINTEXT, max_message_bytes)
+
+
+def explain(code: grpc.StatusCode, details: str, credentials: ClientCredentials) -> str:
+    """A failed call's status, said for a person: what the code usually means for this client."""
+    said = f"{code.name}: {details}"
+    if code == grpc.StatusCode.UNAVAILABLE and not credentials.tls:
+        return f"{said} (is the verifier up? if it serves TLS, give --tls-ca)"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"{said} (is the verifier up, and does it serve TLS with a certificate from --tls-ca? if it "
+            "requires client certificates, give --tls-cert and --tls-key)"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{said} (give a token the verifier knows: --token or DRAFTWIRE_TOKEN)"
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return f"{said} (this client's token does not allow it)"
+    return said
 
 
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:

@@ -66,6 +66,7 @@ class EdgeConfig:
     # EDGE: the device drafts. NONE or NGRAM: a thin device (no draft model, only its vocabulary): the
     # verifier decodes, alone or with its prompt-lookup drafts.
     drafting: Drafting = Drafting.EDGE
+    credentials: wire.ClientCredentials = wire.PLAINTEXT  # TLS, client certificate, token to the verifier
 
 
 @dataclass
@@ -155,7 +156,7 @@ class EdgeApp:
         return app
 
     async def _start(self, _app) -> None:
-        self.channel = wire.insecure_channel(self.config.server)
+        self.channel = wire.channel(self.config.server, self.config.credentials)
         drafter = self.drafter if self.config.drafting is Drafting.EDGE else None
         self.session = EdgeSession(self.channel, drafter, vocabulary=self.drafter.vocabulary)
 

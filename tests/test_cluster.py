@@ -27,6 +27,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from verifier_service.auth import Identity
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig
 from verifier_service.session import VerifierLimits, reference_decode
@@ -157,8 +158,14 @@ async def replica_stats(pool: Pool) -> dict[str, pb.ServerStats]:
     out = {}
     for name, info in pool.info.items():
         async with grpc.aio.insecure_channel(info.address) as channel:
-            out[name] = await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
+            stub = pb_grpc.VerifierStub(channel)
+            out[name] = await stub.GetStats(pb.StatsRequest(), metadata=as_the_front(pool))
     return out
+
+
+def as_the_front(pool: Pool):
+    """Replicas admit only the front (the pool's secret): a test calls them as the front does."""
+    return pool.hop_metadata(Identity("test", admin=True))
 
 
 def live(n: int):
@@ -186,7 +193,8 @@ def test_pool_serves_exactly_what_the_target_writes(pool, loop, engine, test_pai
                 await refused.read()
         replica = next(iter(pool.info.values()))
         async with grpc.aio.insecure_channel(replica.address) as channel:
-            direct = await pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+            stub = pb_grpc.VerifierStub(channel)
+            direct = await stub.GetModelInfo(pb.ModelInfoRequest(), metadata=as_the_front(pool))
         return runs, info, direct, totals, await replica_stats(pool), health, services, error.value
 
     runs, info, direct, totals, per_replica, health, services, error = loop.run(scenario())

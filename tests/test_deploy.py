@@ -36,6 +36,9 @@ def check_entrypoint(argv: list[str]) -> None:
     assert (args.host, args.port) == ("0.0.0.0", FRONT_PORT)
     assert str(args.target) == "/models/target"
     assert args.replica_gpus == 1
+    # It listens on every address: only over TLS, and only for clients with a token.
+    assert args.tls_cert and args.tls_key and args.auth_tokens
+    assert all(str(f).startswith("/etc/draftwire/") for f in (args.tls_cert, args.tls_key, args.auth_tokens))
 
 
 def test_dockerfile_builds_on_the_pinned_ray_and_runs_the_pool():

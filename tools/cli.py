@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import sys
 import time
@@ -80,6 +81,45 @@ def _add_target_numerics(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_client_security(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transport security (README: Running it safely)")
+    g.add_argument("--tls-ca", type=Path, help="TLS: the CA (PEM) the verifier's certificate chains to")
+    g.add_argument("--tls-cert", type=Path, help="mTLS: this client's certificate (PEM)")
+    g.add_argument("--tls-key", type=Path, help="mTLS: this client's private key (PEM)")
+    g.add_argument("--token", help="this client's token (default: the DRAFTWIRE_TOKEN environment variable)")
+
+
+def _credentials(args) -> wire.ClientCredentials:
+    """The client's credentials from its flags (and DRAFTWIRE_TOKEN, read here and nowhere else).
+
+    Raises SystemExit with a message when a file cannot be read or the flags do not fit together."""
+    token = args.token or os.environ.get("DRAFTWIRE_TOKEN")
+    try:
+        return wire.ClientCredentials.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"draftwire: {e}") from None
+
+
+def _server_security(args):
+    """serve's TlsConfig (or None) and AuthConfig. Raises SystemExit when the flags do not fit."""
+    from verifier_service.auth import AuthConfig, BadTokenFile, TlsConfig, parse_tokens
+
+    if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_client_ca and not args.tls_cert):
+        raise SystemExit("draftwire: TLS needs --tls-cert and --tls-key (and --tls-client-ca adds mTLS)")
+    try:
+        tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    except OSError as e:
+        raise SystemExit(f"draftwire: {e}") from None
+    if args.auth_tokens is not None and tls is None:
+        raise SystemExit("draftwire: --auth-tokens needs TLS (--tls-cert, --tls-key): tokens in clear text")
+    if args.auth_tokens is not None:
+        try:
+            parse_tokens(args.auth_tokens.read_text())
+        except (OSError, BadTokenFile) as e:
+            raise SystemExit(f"draftwire: --auth-tokens {args.auth_tokens}: {e}") from None
+    return tls, AuthConfig(tokens_file=args.auth_tokens)
+
+
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -120,6 +160,15 @@ def parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (with --ray: the pool's, from the front)",
     )
     _add_target_numerics(p)
+    g = p.add_argument_group("transport security (README: Running it safely)")
+    g.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
+    g.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    g.add_argument("--tls-client-ca", type=Path, help="mTLS: require client certificates from this CA")
+    g.add_argument(
+        "--auth-tokens",
+        type=Path,
+        help="clients' tokens, `client-name token [admin]` a line; re-read when the file changes",
+    )
     ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
     ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
     ray_group.add_argument(
@@ -150,6 +199,7 @@ def parser() -> argparse.ArgumentParser:
         help="edge: replayed edge drafts; none, ngram: thin sessions the verifier decodes; mix: a third each",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_client_security(p)
 
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
@@ -161,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
     _add_prompt(p)
     _add_sampling(p)
     _add_json(p)
+    _add_client_security(p)
 
     p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
     p.add_argument("--target", type=Path, required=True)
@@ -173,11 +224,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True)
     p.add_argument("--draft", type=Path, required=True)
     _add_chat(p)
+    _add_client_security(p)
 
     p = sub.add_parser("top", help="live figures of a verifier or a pool's front (GetStats)")
     p.add_argument("server", help="HOST:PORT of the verifier or the front")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one JSON snapshot and exit")
+    _add_client_security(p)
 
     p = sub.add_parser(
         "edge", help="the device's chat app: an OpenAI-compatible API and a web page on localhost"
@@ -188,6 +241,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_thin(p)
     _add_edge_app(p)
+    _add_client_security(p)
 
     p = sub.add_parser(
         "bench", help="draftwire against the target alone and assisted generation, side by side"
@@ -305,6 +359,7 @@ def _serve(args) -> int:
     from verifier_service.servicer import ServerConfig
     from verifier_service.session import VerifierLimits
 
+    tls, auth = _server_security(args)
     config = ServerConfig(
         args.host,
         args.port,
@@ -313,6 +368,8 @@ def _serve(args) -> int:
         BatchConfig(max_batch=args.max_batch, window_s=args.batch_window_ms / 1000),
         metrics_port=args.metrics_port,
         prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
+        tls=tls,
+        auth=auth,
     )
     if args.ray:
         return _serve_pool(args, config)
@@ -393,21 +450,28 @@ def _loadtest(args) -> int:
         drafting=args.drafting,
     )
 
+    credentials = _credentials(args)
+
     async def run() -> dict:
-        async with _channel(args.server) as channel:
+        async with wire.channel(args.server, credentials) as channel:
             return await run_load(channel, config)
 
     try:
         report = asyncio.run(run())
     except (VerifierError, grpc.aio.AioRpcError) as e:
-        print(f"draftwire: loadtest could not record its scripts: {e}", file=sys.stderr)
+        print(
+            f"draftwire: loadtest could not record its scripts: {_explain(e, credentials)}", file=sys.stderr
+        )
         return 1
     print(json.dumps(report) if args.json else report_text(report))
     return 0 if report["errors"] == {} and report["mismatches"] == 0 else 1
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    return wire.insecure_channel(address)
+def _explain(error, credentials: wire.ClientCredentials) -> str:
+    """A VerifierError's or an AioRpcError's status, said with what it likely means for this client."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return wire.explain(error.code(), error.details() or "", credentials)
+    return wire.explain(error.code, error.details, credentials)
 
 
 def _vocab_only(path: Path):
@@ -451,15 +515,17 @@ def _generate(args) -> int:
         drafting=Drafting.EDGE if drafter else Drafting(args.server_drafting),
     )
 
+    credentials = _credentials(args)
+
     async def run() -> tuple[list[int], GenerationStats]:
-        async with _channel(args.server) as channel:
+        async with wire.channel(args.server, credentials) as channel:
             vocabulary = tokenizer.vocabulary if tokenizer else None
             return await EdgeSession(channel, drafter, vocabulary=vocabulary).run(request)
 
     try:
         tokens, stats = asyncio.run(run())
-    except VerifierError as e:
-        print(f"draftwire: verifier refused: {e}", file=sys.stderr)
+    except (VerifierError, grpc.aio.AioRpcError) as e:
+        print(f"draftwire: verifier refused: {_explain(e, credentials)}", file=sys.stderr)
         return 1
     text = tokenizer.detokenize(tokens).decode("utf-8", "replace") if tokenizer else ""
     _emit(args, tokens, text, stats.as_json())
@@ -507,15 +573,20 @@ def _chat_config(args):
 
 def _chat(args) -> int:
     from edge_client.chat import chat
-    from edge_client.session import EdgeSession
+    from edge_client.session import EdgeSession, VerifierError
 
     drafter = _drafter(args.draft)
+    credentials = _credentials(args)
 
     async def run() -> None:
-        async with _channel(args.server) as channel:
+        async with wire.channel(args.server, credentials) as channel:
             await chat(EdgeSession(channel, drafter), _chat_config(args), sys.stdout)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except (VerifierError, grpc.aio.AioRpcError) as e:
+        print(f"draftwire: {_explain(e, credentials)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -531,6 +602,7 @@ def _edge_config(args, server: str):
         pipeline=args.pipeline,
         defaults=Settings(max_tokens=args.max_tokens, temperature=args.temperature),
         store_path=args.db or default_store(),
+        credentials=_credentials(args),
     )
 
 
@@ -554,7 +626,12 @@ def _edge(args) -> int:
 def _top(args) -> int:
     from tools.top import run
 
-    return run(args.server, args.interval, args.once)
+    credentials = _credentials(args)
+    try:
+        return run(args.server, args.interval, args.once, credentials)
+    except grpc.aio.AioRpcError as e:
+        print(f"draftwire: top: {_explain(e, credentials)}", file=sys.stderr)
+        return 1
 
 
 def _bench(args) -> int:

@@ -3,19 +3,26 @@ in the terminal (rates over the last interval). `--once` prints one JSON snapsho
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
 
-import grpc
-
+from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 
 
-def snapshot(address: str, timeout: float = 10) -> pb.ServerStats:
-    with grpc.insecure_channel(address) as channel:
-        return pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest(), timeout=timeout)
+def snapshot(
+    address: str, credentials: wire.ClientCredentials = wire.PLAINTEXT, timeout: float = 10
+) -> pb.ServerStats:
+    """The server's GetStats (an admin's token, where clients authenticate). Raises grpc.aio.AioRpcError."""
+
+    async def ask() -> pb.ServerStats:
+        async with wire.channel(address, credentials) as channel:
+            return await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest(), timeout=timeout)
+
+    return asyncio.run(ask())
 
 
 def figures(now: pb.ServerStats, before: pb.ServerStats | None, seconds: float) -> dict:
@@ -59,13 +66,15 @@ def render(address: str, f: dict) -> str:
     )
 
 
-def run(address: str, interval: float, once: bool) -> int:
+def run(
+    address: str, interval: float, once: bool, credentials: wire.ClientCredentials = wire.PLAINTEXT
+) -> int:
     before, then = None, time.monotonic()
     if once:
-        print(json.dumps(figures(snapshot(address), None, 0.0)))
+        print(json.dumps(figures(snapshot(address, credentials), None, 0.0)))
         return 0
     while True:
-        now, at = snapshot(address), time.monotonic()
+        now, at = snapshot(address, credentials), time.monotonic()
         text = render(address, figures(now, before, at - then if before is not None else 0.0))
         sys.stdout.write("\x1b[2J\x1b[H" + text + "\n" if sys.stdout.isatty() else text + "\n\n")
         sys.stdout.flush()

@@ -29,7 +29,7 @@ class Engine(Protocol):
 
     def release(self, key: str) -> None: ...
 
-    def adopt(self, key: str, token_ids: Sequence[int]) -> int: ...
+    def adopt(self, key: str, token_ids: Sequence[int], owner: str = "") -> int: ...
 
 
 @dataclass(frozen=True)
@@ -95,20 +95,20 @@ class Batcher:
         self._releases.append(key)
         self._kick()
 
-    async def adopt(self, key: str, token_ids: Sequence[int]) -> int:
-        """Starts session `key` from a kept cache that shares a prefix with `token_ids` (engine.adopt);
-        returns the positions it starts with. Releases queued before it are carried out first, so a
-        conversation's next turn finds the cache its last turn released."""
+    async def adopt(self, key: str, token_ids: Sequence[int], owner: str = "") -> int:
+        """Starts session `key` of client `owner` from a kept cache of that client's that shares a prefix
+        with `token_ids` (engine.adopt); returns the positions it starts with. Releases queued before it
+        are carried out first, so a conversation's next turn finds the cache its last turn released."""
         pending = {f.key for f, _ in self._pending}
         early = [k for k in self._releases if k not in pending]
         self._releases = [k for k in self._releases if k in pending]
-        return await self.call(self._adopt, key, token_ids, early)
+        return await self.call(self._adopt, key, token_ids, early, owner)
 
-    def _adopt(self, key: str, token_ids: Sequence[int], releases: list[str]) -> int:
+    def _adopt(self, key: str, token_ids: Sequence[int], releases: list[str], owner: str) -> int:
         for k in releases:
             self.engine.release(k)
             self.stats.last.pop(k, None)
-        return self.engine.adopt(key, token_ids)
+        return self.engine.adopt(key, token_ids, owner)
 
     async def call(self, fn, *args):
         """Runs fn on the engine's thread, between batches."""

@@ -177,6 +177,7 @@ AttentionInterface.register(ROWS_ATTENTION, rows_attention)
 class _Cache:
     layers: list[GrowingLayer]
     tokens: list[int] = field(default_factory=list)  # the token at each held position
+    owner: str = ""  # the client whose sessions may take it once kept
 
     @property
     def length(self) -> int:  # positions held
@@ -198,8 +199,9 @@ class PrefixCacheConfig:
 class PrefixCache:
     """Finished sessions' KV caches, least recently used first, within a memory budget and a time limit.
 
-    A kept cache is identified by the token ids it holds, nothing else: a new sequence takes the kept
-    cache with which it shares the longest prefix (any client's next turn benefits, not only one app's).
+    A kept cache is identified by its owner (the client whose session left it) and the token ids it
+    holds: a new sequence takes the owner's kept cache with which it shares the longest prefix. Only the
+    same client's sessions take it, so no client learns from a fast prefill what another one sent.
     Taking moves the cache to the new session; it comes back, extended, when that session ends.
     """
 
@@ -224,13 +226,13 @@ class PrefixCache:
         while self.bytes > self.config.budget_bytes:
             self._drop(next(iter(self._kept)))
 
-    def take(self, tokens: Sequence[int]) -> tuple[_Cache | None, int]:
-        """Removes and returns the kept cache sharing the longest prefix with `tokens` (at most all of
-        them), and that prefix's length; (None, 0) when none shares a token."""
+    def take(self, tokens: Sequence[int], owner: str = "") -> tuple[_Cache | None, int]:
+        """Removes and returns `owner`'s kept cache sharing the longest prefix with `tokens` (at most all
+        of them), and that prefix's length; (None, 0) when none shares a token."""
         self._expire()
         best, best_n = None, 0
         for kid, (cache, _) in self._kept.items():
-            n = _common_prefix(cache.tokens, tokens)
+            n = _common_prefix(cache.tokens, tokens) if cache.owner == owner else 0
             if n > best_n:
                 best, best_n = kid, n
         if best is None:
@@ -313,14 +315,15 @@ class TargetEngine:
         """Memory held by KV caches: live sessions' and kept ones'."""
         return sum(c.nbytes for c in self._caches.values()) + self.prefix_cache.bytes
 
-    def adopt(self, key: str, token_ids: Sequence[int]) -> int:
-        """Starts new session `key` from the kept cache that shares the longest prefix with `token_ids`
-        (the positions it will prefill); returns how many positions it starts with (0: none kept).
-        Raises ValueError when the key is live."""
+    def adopt(self, key: str, token_ids: Sequence[int], owner: str = "") -> int:
+        """Starts new session `key` of client `owner` from that client's kept cache that shares the
+        longest prefix with `token_ids` (the positions it will prefill); returns how many positions it
+        starts with (0: none kept). Raises ValueError when the key is live."""
         if key in self._caches:
             raise ValueError(f"session {key} is live")
-        cache, n = self.prefix_cache.take(token_ids)
+        cache, n = self.prefix_cache.take(token_ids, owner)
         if cache is None:
+            self._caches[key] = _Cache([GrowingLayer() for _ in range(self._layers)], owner=owner)
             return 0
         self._caches[key] = cache
         self._cut(key, n)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
+import secrets
 import signal
 from dataclasses import dataclass
 
@@ -23,6 +23,8 @@ from draftwire.contract import ModelInfo
 from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from verifier_service import auth
+from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import PrefixCacheConfig, TargetEngine
 from verifier_service.session import (
@@ -37,6 +39,7 @@ from verifier_service.session import (
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+STATS_DENIED = "server-wide figures are for admin clients (`admin` after the token in the token file)"
 _STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, WrongState: grpc.StatusCode.FAILED_PRECONDITION}
 
 
@@ -50,6 +53,8 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port (None: off)
     # Finished sessions' caches kept for the next turn of a conversation: 1 GiB for 10 minutes.
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig(budget_bytes=1 << 30, ttl_s=600.0)
+    tls: TlsConfig | None = None  # None: plaintext
+    auth: AuthConfig = AuthConfig()  # who may call (verifier_service/auth.py); default: anyone
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -60,7 +65,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         engine.keep_finished(config.prefix_cache)
         self.batcher = Batcher(engine, config.batch)
         self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
-        self._keys = itertools.count(1)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return wire.model_info_to_proto(
@@ -68,6 +72,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         )
 
     async def GetStats(self, request, context) -> pb.ServerStats:
+        """Server-wide figures, which tell of every client's traffic: for admins only when clients
+        authenticate (PERMISSION_DENIED for the others)."""
+        if not auth.caller().admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, STATS_DENIED)
         return self.stats_proto()
 
     def stats_proto(self) -> pb.ServerStats:
@@ -105,7 +113,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         After a finish the stream stays open until the edge half-closes; a proposal sent meanwhile is
         answered stale if the finish made it obsolete, else refused (FAILED_PRECONDITION).
         """
-        key = f"session-{next(self._keys)}"
+        # Not guessable; the session, its cache and what it leaves for a next turn belong to the caller.
+        key = f"session-{secrets.token_urlsafe(12)}"
+        owner = auth.caller().name
         session: VerifierSession | None = None
         try:
             async for message in request_iterator:
@@ -115,7 +125,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         raise InvalidRequest("the first message of a session must be `open`")
                     spec = wire.spec_from_proto(message.open)
                     session = await VerifierSession.open(
-                        self.batcher, spec, self.config.limits, self.stats, key
+                        self.batcher, spec, self.config.limits, self.stats, key, owner=owner
                     )
                     opened = pb.SessionOpened(
                         session_id=key,
@@ -152,11 +162,11 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[grpc
 
     Raises RuntimeError when the address cannot be bound.
     """
-    server = grpc.aio.server(options=wire.message_size_options(config.max_message_bytes))
+    server = make_server(config)
     servicer = VerifierServicer(engine, config)
     pb_grpc.add_VerifierServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server)
-    port = await bind_and_start(server, config.host, config.port)
+    port = await bind_and_start(server, config.host, config.port, config.tls)
     if config.metrics_port is not None:
         start_metrics(servicer.stats_proto, config.host, config.metrics_port)
     for name in ("", SERVICE):
@@ -183,11 +193,23 @@ def add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServi
     return health_servicer
 
 
-async def bind_and_start(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds host:port (0 picks a free port) and starts serving; returns the bound port.
+def make_server(config: ServerConfig) -> grpc.aio.Server:
+    """A grpc.aio server with the config's message limits and its authentication (auth.interceptors).
+
+    Raises OSError or auth.BadTokenFile when the token file cannot be read."""
+    return grpc.aio.server(
+        options=wire.message_size_options(config.max_message_bytes),
+        interceptors=auth.interceptors(config.auth, config.tls),
+    )
+
+
+async def bind_and_start(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None = None) -> int:
+    """Binds host:port (0 picks a free port), with TLS when given, and starts serving; returns the
+    bound port.
 
     Raises RuntimeError when the address cannot be bound."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     await server.start()

@@ -99,13 +99,16 @@ class VerifierSession:
         limits: VerifierLimits = VerifierLimits(),
         stats: VerifierStats | None = None,
         key: str | None = None,
+        owner: str = "",
     ):
-        """Validates the spec; raises InvalidRequest or WrongState. `open` also prefills."""
+        """Validates the spec; raises InvalidRequest or WrongState. `open` also prefills. `owner`: the
+        client the session belongs to; it starts only from caches its owner's sessions left."""
         if spec.thin:  # the verifier's own rounds may carry no draft token
             limits = dataclasses.replace(limits, min_gamma=0)
         self.batcher, self.spec, self.limits = batcher, spec, limits
         self.stats = stats if stats is not None else VerifierStats()
         self.key = key or f"s{next(_keys)}"
+        self.owner = owner
         info = batcher.info
         if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != info.vocabulary.fingerprint:
             raise WrongState(
@@ -154,7 +157,7 @@ class VerifierSession:
         batcher.join(session.key)
         try:
             prefix = session.committed[:-1]
-            session.reused_positions = await batcher.adopt(session.key, prefix)
+            session.reused_positions = await batcher.adopt(session.key, prefix, session.owner)
             session.target_positions = len(prefix) - session.reused_positions
             session.stats.prefill_positions += session.target_positions
             session.stats.reused_positions += session.reused_positions

@@ -96,7 +96,7 @@ class FakeEngine:
         if self.held.pop(key, None) is not None:
             self.released.append(key)
 
-    def adopt(self, key: str, token_ids) -> int:
+    def adopt(self, key: str, token_ids, owner: str = "") -> int:
         return 0  # keeps no finished session
 
 

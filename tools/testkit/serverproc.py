@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from draftwire import wire
+
 DRAFTWIRE = str(Path(sys.executable).parent / "draftwire")
 
 
@@ -25,9 +27,12 @@ class ServerProcess:
         timeout: float = 120,
         executable: str = DRAFTWIRE,
         cpus: tuple[int, ...] = (),
+        credentials: wire.ClientCredentials = wire.PLAINTEXT,
     ):
         """Starts `executable serve` (by default this environment's `draftwire`), pinned to `cpus` when
-        given; raises RuntimeError with its output when it does not come up."""
+        given; `credentials`: how to reach it when its `extra` asks for TLS (health needs no token).
+        Raises RuntimeError with its output when it does not come up."""
+        self.credentials = credentials
         self.proc = subprocess.Popen(
             [executable, "serve", "--target", str(target), "--port", "0", *extra],
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
@@ -38,8 +43,15 @@ class ServerProcess:
         self.address = _wait_for(self, r"serving .* on (\S+:\d+)", timeout)
         self._wait_until_serving(timeout=30)
 
+    def _channel(self) -> grpc.Channel:
+        """A blocking channel for health checks (open to anyone, TLS where the server serves it)."""
+        credentials = getattr(self, "credentials", wire.PLAINTEXT)
+        if not credentials.tls:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, credentials.channel_credentials(), credentials.options())
+
     def _wait_until_serving(self, timeout: float) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        with self._channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout, wait_for_ready=True
@@ -48,7 +60,7 @@ class ServerProcess:
                 raise RuntimeError(f"server at {self.address} reports {reply.status}")
 
     def healthy(self) -> bool:
-        with grpc.insecure_channel(self.address) as channel:
+        with self._channel() as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             return self.proc.poll() is None and reply.status == health_pb2.HealthCheckResponse.SERVING
 
