@@ -311,9 +311,9 @@ def markdown(report: dict) -> str:
         f"edges on {c['edge_cpus']}; prefill counted everywhere",
         "",
         "| N | arm | drafts | served tok/s | × (a) | bound tok/s | session tok/s p50 | p10 | TTFT ms p50 "
-        "| forward passes/tok | session forwards/tok | positions/tok | mean batch | ms/forward | engine busy "
-        "| accept | up B/tok | down B/tok | up B/round | exact |",
-        "|" + "---|" * 20,
+        "| forward passes/tok | session forwards/tok | positions/tok | mean batch | ms/forward | ms/position "
+        "| engine busy | accept | up B/tok | down B/tok | up B/round | exact |",
+        "|" + "---|" * 21,
     ]
 
     def f(v, fmt=".2f"):
@@ -337,6 +337,7 @@ def markdown(report: dict) -> str:
             f(r["positions_per_token"]),
             f(r["mean_batch"], ".1f"),
             f(r["ms_per_forward_pass"], ".1f"),
+            f(_ms_per_position(r), ".1f"),
             f"{r['engine_busy']:.0%}",
             f(r["acceptance"]),
             f(r["upload_bytes_per_token"], ".1f"),
@@ -348,9 +349,17 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "bound: generated tokens over the engine's measured forward time in that wave, the served rate "
-        "if the target never waited (same batches, same ms per forward pass).",
+        "if the target never waited (same batches, same ms per forward pass). ms/position: a forward "
+        "pass's time over the positions (prefill and rounds) it computed.",
     ]
     return "\n".join(lines)
+
+
+def _ms_per_position(r: dict) -> float | None:
+    """A forward pass's time over the positions it computed, prefill included."""
+    if not r["positions_per_token"]:
+        return None
+    return r["ms_per_forward_pass"] * r["forward_passes_per_token"] / r["positions_per_token"]
 
 
 def plot(report: dict, path: Path) -> None:
