@@ -51,7 +51,7 @@ class CapacityConfig:
     gamma: int = 4  # draft tokens per proposal of (c)
     pipeline: int = 2  # proposals (c) sends ahead of their verdicts
     live_max: int = 1  # (c) also runs with the live draft for N up to this
-    repeats: int = 1  # waves per cell; the median by served tokens/s is reported
+    repeats: int = 1  # waves per cell; the middle one by served tokens/s is reported (of two, the slower)
     verifier_cpus: tuple[int, ...] = (1,)  # the replica's cores (one torch thread each)
     edge_cpus: tuple[int, ...] = (0,)  # this process's: clients and drafts
     max_batch: int = 64  # the replica's most sessions per forward pass
@@ -246,10 +246,14 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         references = reference["outputs"]
         vocabulary, tables, per_token, prefills = record_drafts(config, references, log)
         replay_pool = ThreadPoolExecutor(max_workers=max(config.sessions), thread_name_prefix="replay")
-        live = [
-            LlamaDrafter(DrafterConfig(config.draft_gguf, n_ctx=_n_ctx(config), n_threads=1))
-            for _ in range(min(config.live_max, max(config.sessions)))
-        ]
+
+        def live(n: int) -> list[LlamaDrafter]:
+            """Fresh drafts for a wave: none keeps an earlier wave's prompt in its cache."""
+            return [
+                LlamaDrafter(DrafterConfig(config.draft_gguf, n_ctx=_n_ctx(config), n_threads=1))
+                for _ in range(n)
+            ]
+
         for n in config.sessions:
             replayed = [
                 RecordedDrafter(
@@ -262,13 +266,14 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
                 )
                 for i in range(n)
             ]
-            cells = [("a", None), ("b", None), ("c", replayed)]
-            cells += [("c", live[:n])] if n <= config.live_max else []
+            # Each cell: its arm and what makes its drafters for a wave.
+            cells = [("a", lambda: None), ("b", lambda: None), ("c", lambda r=replayed: r)]
+            cells += [("c", lambda n=n: live(n))] if n <= config.live_max else []
             # The arms take turns, repeat by repeat, so that drift on a shared machine touches them alike.
             by_cell: list[list[dict]] = [[] for _ in cells]
             for _ in range(config.repeats):
                 for (arm, drafters), waves in zip(cells, by_cell, strict=True):
-                    waves.append(await run_wave(server.address, config, arm, n, drafters))
+                    waves.append(await run_wave(server.address, config, arm, n, drafters()))
             for waves in by_cell:
                 row = _median_wave(waves)
                 expected = [references[i % len(config.prompts)] for i in range(n)]
