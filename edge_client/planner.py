@@ -150,6 +150,7 @@ class Planner:
         self.stops = stop_set(request.stop_token_ids, request.ignore_eos, info.target.eos_token_ids)
         self.budget = generation_budget(request.max_new_tokens, info.target.max_context, self._prompt_length)
         self.max_gamma = info.max_gamma
+        self.vocab_size = info.target.vocabulary.size  # a verdict's ids must be below it
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
         self.finished = False
@@ -207,13 +208,12 @@ class Planner:
     def apply(self, verdict: Verdict) -> list[int]:
         """Commits the verdict of the oldest proposal in flight; returns the tokens it adds.
 
-        Raises BadVerdict when it answers another round.
+        Raises BadVerdict when it does not answer that proposal (see check_verdict).
         """
         if not self.in_flight:
             raise BadVerdict(f"verdict for round {verdict.round} with no proposal in flight")
         sent = self.in_flight.popleft()
-        if verdict.round != sent.round:
-            raise BadVerdict(f"verdict for round {verdict.round}, expected round {sent.round}")
+        check_verdict(verdict, sent, self.committed, self.vocab_size)
         if verdict.stale:
             self.stats.stale_rounds += 1
             return []
@@ -241,3 +241,33 @@ class Planner:
         left = self.budget - (length - self._prompt_length)
         # The last round may propose more than the budget leaves: the verifier drops the excess.
         return max(1, min(chosen, left - 1, self.max_gamma)) if left > 0 else 0
+
+
+def check_verdict(verdict: Verdict, sent: InFlight, committed: Sequence[int], vocab_size: int) -> None:
+    """Raises BadVerdict unless `verdict` can answer `sent`, the oldest proposal in flight, given the
+    `committed` sequence: its round, its start, ids in the vocabulary, and progress. A stale verdict
+    for a proposal that builds exactly on the committed sequence would loop the edge forever; so would
+    a verdict that commits nothing and does not finish."""
+    if verdict.round != sent.round:
+        raise BadVerdict(f"verdict for round {verdict.round}, expected round {sent.round}")
+    if verdict.start_position != len(sent.prefix):
+        raise BadVerdict(
+            f"round {sent.round}: verdict starts at {verdict.start_position}, not {len(sent.prefix)}"
+        )
+    if verdict.stale:
+        if list(sent.prefix) == list(committed):
+            raise BadVerdict(f"round {sent.round} answered stale, but it builds on the committed tokens")
+        return
+    if not 0 <= verdict.accepted <= len(sent.draft):
+        raise BadVerdict(f"round {sent.round}: {verdict.accepted} of {len(sent.draft)} draft tokens accepted")
+    target = verdict.target_token_id
+    if target is not None and not 0 <= target < vocab_size:
+        raise BadVerdict(f"round {sent.round}: token id {target} outside the vocabulary of {vocab_size}")
+    added = verdict.accepted + (target is not None)
+    if added == 0 and verdict.finish is None:
+        raise BadVerdict(f"round {sent.round}: the verdict commits nothing and does not finish")
+    if verdict.committed_length != len(sent.prefix) + added:
+        raise BadVerdict(
+            f"round {sent.round}: committed length {verdict.committed_length}, "
+            f"expected {len(sent.prefix) + added}"
+        )

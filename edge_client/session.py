@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -25,7 +26,7 @@ from draftwire.vocab import Vocabulary
 from edge_client.adaptive import Tuner
 from edge_client.planner import BadVerdict, DraftJob, GenerationRequest, GenerationStats, Planner
 
-__all__ = ["Drafter", "EdgeSession", "GenerationRequest", "GenerationStats", "VerifierError"]
+__all__ = ["Drafter", "EdgeSession", "GenerationRequest", "GenerationStats", "Timeouts", "VerifierError"]
 
 
 class Drafter(Protocol):
@@ -44,12 +45,27 @@ class Drafter(Protocol):
 
 
 class VerifierError(Exception):
-    """The verifier ended the session with a non-OK status."""
+    """The verifier ended the session with a non-OK status (or the edge gave up on it)."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long the edge waits on a verifier, and how it resumes after UNAVAILABLE."""
+
+    call_s: float = 10.0  # deadline of each unary call (GetModelInfo)
+    verdict_s: float | None = 60.0  # no verdict (or open) this long: a hung verifier, resumed; None: wait
+    resume_s: float = 30.0  # time budget for re-opening after UNAVAILABLE, from the last progress
+    backoff_s: float = 0.1  # first wait before a re-open; doubled each time, up to max_backoff_s
+    max_backoff_s: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before re-open number `attempt` (1, 2, ...) of a streak."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
 
 
 class EdgeSession:
@@ -59,7 +75,7 @@ class EdgeSession:
         self,
         channel: grpc.aio.Channel,
         drafter: Drafter | None,
-        max_resumes: int = 3,
+        timeouts: Timeouts = Timeouts(),
         vocabulary: Vocabulary | None = None,
     ):
         """`drafter` None: a thin client, whose requests must ask the verifier to decode (drafting NONE
@@ -67,7 +83,7 @@ class EdgeSession:
         self.stub = pb_grpc.VerifierStub(channel)
         self.drafter = drafter
         self.vocabulary = drafter.vocabulary if drafter is not None else vocabulary
-        self.max_resumes = max_resumes  # re-opens after UNAVAILABLE, per generation
+        self.timeouts = timeouts
         # Adaptive requests' γ and depth: its estimates outlive a generation (same drafter, same link).
         self.tuner = Tuner()
         self._info: ModelInfo | None = None
@@ -75,7 +91,8 @@ class EdgeSession:
     async def model_info(self) -> ModelInfo:
         """What the verifier serves (asked once per EdgeSession)."""
         if self._info is None:
-            self._info = wire.model_info_from_proto(await self.stub.GetModelInfo(pb.ModelInfoRequest()))
+            reply = await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeouts.call_s)
+            self._info = wire.model_info_from_proto(reply)
         return self._info
 
     async def generate(
@@ -87,14 +104,17 @@ class EdgeSession:
         """Yields the tokens each round commits. `generated` (if given) receives every generated
         token as it is committed, and is where a resume starts from.
 
-        A stream that breaks with UNAVAILABLE (a verifier or replica went away) is re-opened with the
-        committed tokens, up to max_resumes times; the new verifier re-prefills them, so no token is
-        lost or repeated. Raises VerifierError when the verifier refuses, or when resumes run out.
+        A stream that breaks with UNAVAILABLE (a verifier or replica went away, a draining one, or
+        one that sent no verdict within timeouts.verdict_s) is re-opened with the committed tokens,
+        after a backoff that doubles, until timeouts.resume_s pass without progress; the new verifier
+        re-prefills them, so no token is lost or repeated. Raises VerifierError when the verifier
+        refuses, answers a bad verdict (INTERNAL), or when the resume budget is spent (UNAVAILABLE,
+        saying so); `generated` then holds every committed token.
         """
         stats = stats if stats is not None else GenerationStats()
         generated = generated if generated is not None else []
         start = stats.started_at = time.perf_counter()
-        resumes = 0
+        streak, since, progress = 0, 0.0, len(generated)  # re-opens without progress, since when
         try:
             while True:
                 try:
@@ -107,10 +127,21 @@ class EdgeSession:
                             yield new
                     return
                 except VerifierError as e:
-                    if e.code != grpc.StatusCode.UNAVAILABLE or resumes >= self.max_resumes:
+                    if e.code != grpc.StatusCode.UNAVAILABLE:
                         raise
-                    resumes += 1
+                    now = time.perf_counter()
+                    if len(generated) > progress or streak == 0:
+                        streak, since, progress = 0, now, len(generated)
+                    streak += 1
+                    wait = self.timeouts.backoff(streak)
+                    if now - since + wait > self.timeouts.resume_s:
+                        raise VerifierError(
+                            e.code,
+                            f"gave up after {streak - 1} resumes in {now - since:.1f} s "
+                            f"({len(generated)} tokens committed): {e.details}",
+                        ) from None
                     stats.resumes += 1
+                    await asyncio.sleep(wait)
         finally:
             stats.wall_s = time.perf_counter() - start
 
@@ -156,7 +187,7 @@ class EdgeSession:
                         raise VerifierError(
                             grpc.StatusCode.INTERNAL, "no verdict awaited and nothing to draft"
                         )
-                    verdict = await inbox.get()
+                    verdict = await inbox.get(self.timeouts.verdict_s)
                 new = plan.apply(verdict)
                 if not verdict.stale:
                     stats.round_s.append(time.perf_counter() - sent_at.pop(verdict.round))
@@ -198,7 +229,9 @@ class EdgeSession:
             await call.done_writing()
             finish = None
             while finish is None:
-                verdict = await inbox.get()
+                verdict = await inbox.get(self.timeouts.verdict_s)
+                if bad := _bad_thin_verdict(verdict, self._info.target.vocabulary.size):
+                    raise VerifierError(grpc.StatusCode.INTERNAL, f"bad verdict from the verifier: {bad}")
                 new = list(verdict.thin_committed)
                 stats.rounds += 1
                 stats.draft_tokens += len(verdict.server_draft_token_ids)
@@ -225,7 +258,7 @@ class EdgeSession:
         The first proposal leaves right behind the open message, without waiting. When the verifier
         refuses the open, that write can race the refusal, and the gRPC core then reports a bare
         INTERNAL for the whole call. A stream with the open message alone gets the real status."""
-        call = self.stub.Session()
+        call = self.stub.Session(timeout=self.timeouts.call_s)
         try:
             await call.write(pb.EdgeMessage(open=self._open_message(request, generated)))
             await call.read()
@@ -264,6 +297,16 @@ class EdgeSession:
             raise VerifierError(await call.code(), await call.details() or "") from None
 
 
+def _bad_thin_verdict(verdict: Verdict, vocab_size: int) -> str | None:
+    """What is wrong with a thin session's verdict (ids outside the vocabulary, no progress), or None."""
+    ids = verdict.thin_committed
+    if any(not 0 <= t < vocab_size for t in ids) or verdict.accepted > len(verdict.server_draft_token_ids):
+        return f"round {verdict.round}: ids outside the vocabulary of {vocab_size}"
+    if not ids and verdict.finish is None:
+        return f"round {verdict.round} commits nothing and does not finish"
+    return None
+
+
 class _Inbox:
     """The verdicts of a stream as they arrive, read by a task of its own; then the stream's end or
     failure, as a VerifierError."""
@@ -278,8 +321,16 @@ class _Inbox:
         """The next verdict if one has arrived, else None; raises the stream's error in its turn."""
         return None if self._queue.empty() else self._take(self._queue.get_nowait())
 
-    async def get(self) -> Verdict:
-        return self._take(await self._queue.get())
+    async def get(self, timeout_s: float | None = None) -> Verdict:
+        """The next verdict; raises VerifierError UNAVAILABLE when none comes within `timeout_s` (a hung
+        verifier: the generation resumes elsewhere)."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            raise VerifierError(
+                grpc.StatusCode.UNAVAILABLE, f"no verdict from the verifier within {timeout_s:g} s"
+            ) from None
+        return self._take(item)
 
     def close(self) -> None:
         self._reader.cancel()

@@ -145,7 +145,7 @@ async def run_once(channel, engine, prompt, new_tokens: int, seed: int = 0):
 def generation(channel, engine, prompt, new_tokens: int, seed: int):
     """A paced generation (gamma 2) started as a task: (task, committed ids as they come, stats)."""
     committed, stats = [], GenerationStats()
-    session = EdgeSession(channel, replay(engine, prompt, new_tokens, delay_s=0.01, seed=seed), max_resumes=3)
+    session = EdgeSession(channel, replay(engine, prompt, new_tokens, delay_s=0.01, seed=seed))
 
     async def run():
         async for _ in session.generate(request(prompt, new_tokens, gamma=2), stats, committed):

@@ -89,6 +89,59 @@ def _add_client_security(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token", help="this client's token (default: the DRAFTWIRE_TOKEN environment variable)")
 
 
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits, admission and drain (0: no limit)")
+    g.add_argument("--max-sessions", type=int, default=0, help="sessions open at once")
+    g.add_argument("--max-sessions-per-client", type=int, default=0, help="sessions one client holds at once")
+    g.add_argument("--sessions-per-minute", type=int, default=0, help="new sessions per client per minute")
+    g.add_argument(
+        "--kv-budget-mb", type=float, default=0, help="KV memory open sessions may reserve (prompt + budget)"
+    )
+    g.add_argument("--max-stale-per-s", type=int, default=200, help="stale proposals per session per second")
+    g.add_argument("--idle-timeout-s", type=float, default=60.0, help="a session silent this long ends")
+    g.add_argument("--max-session-age-s", type=float, default=3600.0, help="a session open this long ends")
+    g.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, running sessions may finish this long",
+    )
+
+
+def _limits(args):
+    """serve's AdmissionConfig and LifetimeConfig from its flags."""
+    from verifier_service.admission import AdmissionConfig
+    from verifier_service.lifecycle import LifetimeConfig
+
+    admission = AdmissionConfig(
+        max_sessions=args.max_sessions,
+        max_sessions_per_client=args.max_sessions_per_client,
+        sessions_per_minute=args.sessions_per_minute,
+        kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        max_stale_per_s=args.max_stale_per_s,
+    )
+    return admission, LifetimeConfig(args.idle_timeout_s, args.max_session_age_s, args.drain_timeout_s)
+
+
+def _add_timeouts(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("waiting on the verifier")
+    g.add_argument(
+        "--resume-timeout-s",
+        type=float,
+        default=30.0,
+        help="after UNAVAILABLE, keep re-opening (with backoff) this long without progress",
+    )
+    g.add_argument(
+        "--verdict-timeout-s", type=float, default=60.0, help="no verdict this long: the verifier is hung"
+    )
+
+
+def _timeouts(args):
+    from edge_client.session import Timeouts
+
+    return Timeouts(verdict_s=args.verdict_timeout_s or None, resume_s=args.resume_timeout_s)
+
+
 def _credentials(args) -> wire.ClientCredentials:
     """The client's credentials from its flags (and DRAFTWIRE_TOKEN, read here and nowhere else).
 
@@ -160,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (with --ray: the pool's, from the front)",
     )
     _add_target_numerics(p)
+    _add_limits(p)
     g = p.add_argument_group("transport security (README: Running it safely)")
     g.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
     g.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
@@ -211,6 +265,7 @@ def parser() -> argparse.ArgumentParser:
     _add_prompt(p)
     _add_sampling(p)
     _add_json(p)
+    _add_timeouts(p)
     _add_client_security(p)
 
     p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
@@ -224,6 +279,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True)
     p.add_argument("--draft", type=Path, required=True)
     _add_chat(p)
+    _add_timeouts(p)
     _add_client_security(p)
 
     p = sub.add_parser("top", help="live figures of a verifier or a pool's front (GetStats)")
@@ -360,6 +416,7 @@ def _serve(args) -> int:
     from verifier_service.session import VerifierLimits
 
     tls, auth = _server_security(args)
+    admission, lifetime = _limits(args)
     config = ServerConfig(
         args.host,
         args.port,
@@ -370,6 +427,8 @@ def _serve(args) -> int:
         prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
         tls=tls,
         auth=auth,
+        admission=admission,
+        lifetime=lifetime,
     )
     if args.ray:
         return _serve_pool(args, config)
@@ -404,7 +463,8 @@ async def _serve_until_signal(engine, config) -> None:
     if config.metrics_port is not None:
         print(f"draftwire: metrics on http://{config.host}:{config.metrics_port}/metrics", flush=True)
     await wait_for_stop_signal()
-    await server.stop(grace=2.0)
+    print(f"draftwire: draining (up to {config.lifetime.drain_timeout_s:g} s)", flush=True)
+    await server.drain()
 
 
 def _serve_pool(args, server) -> int:
@@ -517,18 +577,30 @@ def _generate(args) -> int:
 
     credentials = _credentials(args)
 
-    async def run() -> tuple[list[int], GenerationStats]:
+    tokens, stats = [], GenerationStats()  # what was committed stays here when the verifier fails
+
+    async def run() -> None:
         async with wire.channel(args.server, credentials) as channel:
             vocabulary = tokenizer.vocabulary if tokenizer else None
-            return await EdgeSession(channel, drafter, vocabulary=vocabulary).run(request)
+            session = EdgeSession(channel, drafter, _timeouts(args), vocabulary=vocabulary)
+            async for _ in session.generate(request, stats, tokens):
+                pass
 
+    failed = None
     try:
-        tokens, stats = asyncio.run(run())
+        asyncio.run(run())
     except (VerifierError, grpc.aio.AioRpcError) as e:
-        print(f"draftwire: verifier refused: {_explain(e, credentials)}", file=sys.stderr)
-        return 1
+        failed = e
     text = tokenizer.detokenize(tokens).decode("utf-8", "replace") if tokenizer else ""
-    _emit(args, tokens, text, stats.as_json())
+    if failed is None or tokens:  # the committed text, even when the generation could not finish
+        _emit(args, tokens, text, stats.as_json())
+    if failed is not None:
+        print(
+            f"draftwire: generation stopped after {len(tokens)} committed tokens "
+            f"({stats.resumes} resumes): {_explain(failed, credentials)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -580,12 +652,15 @@ def _chat(args) -> int:
 
     async def run() -> None:
         async with wire.channel(args.server, credentials) as channel:
-            await chat(EdgeSession(channel, drafter), _chat_config(args), sys.stdout)
+            await chat(EdgeSession(channel, drafter, _timeouts(args)), _chat_config(args), sys.stdout)
 
     try:
         asyncio.run(run())
     except (VerifierError, grpc.aio.AioRpcError) as e:
-        print(f"draftwire: {_explain(e, credentials)}", file=sys.stderr)
+        print(
+            f"\ndraftwire: the reply stopped (its text so far is above): {_explain(e, credentials)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -306,6 +306,15 @@ class TargetEngine:
     def active_sessions(self) -> int:
         return len(self._caches)
 
+    @property
+    def bytes_per_position(self) -> int:
+        """KV memory one position of one session takes (keys and values, every layer): what admission
+        by memory (verifier_service/admission.py) reckons with."""
+        config = self.model.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * self._layers * heads * head_dim * self.model.dtype.itemsize
+
     def keep_finished(self, config: PrefixCacheConfig) -> None:
         """Keeps released sessions' caches for new sessions that extend them (see PrefixCache)."""
         self.prefix_cache = PrefixCache(config)

@@ -24,9 +24,11 @@ from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service import auth
+from verifier_service.admission import Admission, AdmissionConfig, Refused, Window, kv_estimate
 from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import PrefixCacheConfig, TargetEngine
+from verifier_service.lifecycle import Ended, Lifetime, LifetimeConfig, cut_off
 from verifier_service.session import (
     InvalidRequest,
     SessionError,
@@ -55,6 +57,8 @@ class ServerConfig:
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig(budget_bytes=1 << 30, ttl_s=600.0)
     tls: TlsConfig | None = None  # None: plaintext
     auth: AuthConfig = AuthConfig()  # who may call (verifier_service/auth.py); default: anyone
+    admission: AdmissionConfig = AdmissionConfig()  # caps, rates, KV budget (verifier_service/admission.py)
+    lifetime: LifetimeConfig = LifetimeConfig()  # idle timeout, maximum age, drain (lifecycle.py)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -65,6 +69,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         engine.keep_finished(config.prefix_cache)
         self.batcher = Batcher(engine, config.batch)
         self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
+        self.admission = Admission(config.admission)
+        self.draining = False  # opens are refused with UNAVAILABLE (the edge resumes elsewhere)
+        self.cut = asyncio.Event()  # set when the drain's time is up: every session ends, UNAVAILABLE
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return wire.model_info_to_proto(
@@ -117,13 +124,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         key = f"session-{secrets.token_urlsafe(12)}"
         owner = auth.caller().name
         session: VerifierSession | None = None
+        lifetime = Lifetime(self.config.lifetime, self.cut)
+        stale = Window(self.config.admission.max_stale_per_s, 1.0)
+        loop = asyncio.get_running_loop()
         try:
-            async for message in request_iterator:
+            async for message in lifetime.messages(request_iterator):
                 kind = message.WhichOneof("kind")
                 if session is None:
                     if kind != "open":
                         raise InvalidRequest("the first message of a session must be `open`")
                     spec = wire.spec_from_proto(message.open)
+                    del message  # a refused open keeps nothing of the request alive
+                    if self.draining:
+                        raise cut_off()
+                    self.admission.admit(key, client_name(context), self._kv_bytes(spec), loop.time())
                     session = await VerifierSession.open(
                         self.batcher, spec, self.config.limits, self.stats, key, owner=owner
                     )
@@ -135,6 +149,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     yield pb.VerifierMessage(opened=opened)
                     # A thin session: the verifier decodes it to the finish on its own.
                     while session.spec.thin and session.finish is None:
+                        lifetime.check()
                         verdict = await session.play(session.own_proposal())
                         yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
                 elif session.spec.thin:
@@ -143,7 +158,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     raise InvalidRequest("the session is already open: send proposals")
                 else:
                     verdict = await session.play(wire.proposal_from_proto(message.proposal))
+                    if verdict.stale and stale.limit and not stale.allow(loop.time()):
+                        raise Ended(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"more than {stale.limit} stale proposals in a second: the session is ended",
+                        )
                     yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
+        except Refused as e:
+            log.info("session %s not admitted: %s", key, e)
+            self.refusals[grpc.StatusCode.RESOURCE_EXHAUSTED.name] += 1
+            retry_ms = max(1, round(e.retry_after_s * 1000))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{e}; retry after {retry_ms} ms",
+                trailing_metadata=((RETRY_AFTER, str(retry_ms)),),
+            )
+        except Ended as e:
+            log.info("session %s ended: %s", key, e)
+            self.refusals[e.code.name] += 1
+            await context.abort(e.code, str(e))
         except SessionError as e:
             log.info("session %s refused: %s", key, e)
             self.refusals[_STATUS[type(e)].name] += 1
@@ -155,9 +188,67 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         finally:
             # Queued behind any forward of this key, so nothing outlives the release.
             self.batcher.release(key)
+            self.admission.release(key)
+
+    def _kv_bytes(self, spec) -> int:
+        """What the session's KV cache may come to: its committed and generable positions (0 when the
+        engine does not say its bytes per position)."""
+        info = self.engine.info
+        committed = len(spec.prompt_token_ids) + len(spec.generated_token_ids)
+        budget = spec.max_new_tokens or max(info.max_context - len(spec.prompt_token_ids), 0)
+        return kv_estimate(committed, budget, getattr(self.engine, "bytes_per_position", 0))
+
+    async def drain(self, timeout_s: float, health_servicer=None) -> None:
+        """Stops admitting (opens get UNAVAILABLE, health says NOT_SERVING), lets running sessions
+        finish for up to `timeout_s`, then ends the rest with UNAVAILABLE."""
+        self.draining = True
+        if health_servicer is not None:
+            for name in ("", SERVICE):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.admission.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.cut.set()
+        deadline = loop.time() + 2.0  # the cut sessions' streams end at their next message or round
+        while self.admission.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
 
-async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[grpc.aio.Server, int]:
+RETRY_AFTER = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED open: when to try again
+
+
+def client_name(context) -> str:
+    """Whom per-client caps count a call against: the identity the auth interceptor admitted, else the
+    peer's address without its port."""
+    name = auth.caller().name
+    if name:
+        return name
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+class VerifierServer:
+    """A started verifier: its gRPC server, servicer and health, stopped at once or drained."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: VerifierServicer, health_servicer):
+        self.server, self.servicer, self.health = server, servicer, health_servicer
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.server.stop(grace)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Graceful shutdown: VerifierServicer.drain (the config's drain timeout when None), then stop."""
+        if timeout_s is None:
+            timeout_s = self.servicer.config.lifetime.drain_timeout_s
+        await self.servicer.drain(timeout_s, self.health)
+        await self.server.stop(1.0)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[VerifierServer, int]:
     """Starts the verifier, health and reflection services; returns the server and its bound port.
 
     Raises RuntimeError when the address cannot be bound.
@@ -171,7 +262,7 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[grpc
         start_metrics(servicer.stats_proto, config.host, config.metrics_port)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return VerifierServer(server, servicer, health_servicer), port
 
 
 def start_metrics(snapshot, host: str, port: int) -> int:
@@ -194,13 +285,27 @@ def add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServi
 
 
 def make_server(config: ServerConfig) -> grpc.aio.Server:
-    """A grpc.aio server with the config's message limits and its authentication (auth.interceptors).
+    """A grpc.aio server with the config's message limits, keepalive (a vanished client's streams end)
+    and its authentication (auth.interceptors).
 
     Raises OSError or auth.BadTokenFile when the token file cannot be read."""
+    options = wire.message_size_options(config.max_message_bytes)
     return grpc.aio.server(
-        options=wire.message_size_options(config.max_message_bytes),
+        options=[*options, *KEEPALIVE_OPTIONS],
         interceptors=auth.interceptors(config.auth, config.tls),
     )
+
+
+# A connection silent for 30 s is pinged; one that does not answer in 10 s is closed with its streams.
+# Edges may ping every 10 s or more; connections live at most a day (then clients reconnect).
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_connection_age_ms", 24 * 3600 * 1000),
+    ("grpc.max_connection_age_grace_ms", 3600 * 1000),
+]
 
 
 async def bind_and_start(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None = None) -> int:

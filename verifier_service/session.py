@@ -59,6 +59,7 @@ class Round:
 class VerifierLimits:
     max_gamma: int = 16  # most draft tokens per proposal
     min_gamma: int = 1  # the reference decoder runs rounds of 0 draft tokens
+    max_stop_token_ids: int = 256  # stop ids an open may name (every other repeated field is bounded too)
 
 
 @dataclass
@@ -120,6 +121,10 @@ class VerifierSession:
             raise InvalidRequest("the prompt is empty: send at least one token id")
         self._check_ids(spec.prompt_token_ids, "prompt")
         self._check_ids(spec.generated_token_ids, "generated")
+        if len(spec.stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidRequest(
+                f"{len(spec.stop_token_ids)} stop token ids: at most {limits.max_stop_token_ids}"
+            )
         try:
             spec.sampling.validate()
         except InvalidSampling as e:

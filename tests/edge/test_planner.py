@@ -99,3 +99,37 @@ def test_a_verdict_for_another_round_is_refused():
     verdict = FakeVerifier(request.spec()).answer(proposal)
     with pytest.raises(BadVerdict, match="expected round 1"):
         plan.apply(type(verdict)(**{**verdict.__dict__, "round": 2}))
+
+
+def _first_round(gamma_tokens=(1, 2, 3, 4)):
+    """A planner with round 1 in flight, and the honest verdict for it."""
+    request = GenerationRequest(PROMPT, max_new_tokens=10)
+    plan = Planner(request, INFO)
+    plan.add_draft(plan.next_draft(), list(gamma_tokens))
+    proposal = plan.next_proposal()
+    return plan, FakeVerifier(request.spec()).answer(proposal)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"round": 2}, "expected round 1"),
+        ({"start_position": 1}, "starts at 1"),
+        ({"target_token_id": 10**6}, "outside the vocabulary"),
+        ({"target_token_id": -1}, "outside the vocabulary"),
+        ({"accepted": 9}, "9 of 4 draft tokens"),
+        ({"accepted": 0, "target_token_id": None, "finish": None}, "commits nothing"),
+        ({"stale": True, "target_token_id": None}, "builds on the committed tokens"),
+        ({"committed_length": 99}, "committed length 99"),
+    ],
+)
+def test_a_bad_verdict_is_a_fault_of_the_verifier(change, match):
+    plan, verdict = _first_round()
+    with pytest.raises(BadVerdict, match=match):
+        plan.apply(type(verdict)(**{**verdict.__dict__, **change}))
+    assert plan.committed == list(PROMPT)  # nothing of a bad verdict is committed
+
+
+def test_an_honest_verdict_passes_the_checks():
+    plan, verdict = _first_round()
+    assert plan.apply(verdict)

@@ -1,0 +1,125 @@
+"""Admission in process: caps, the per-client rate, the KV budget and the stale-proposal window, as
+tables of opens and releases on a hand-driven clock."""
+
+import pytest
+
+from verifier_service.admission import Admission, AdmissionConfig, Refused, Window, kv_estimate
+
+MiB = 1 << 20
+
+
+# Each step: ("open", key, client, kv_bytes, now) -> True (admitted) or a refusal's text; ("close", key).
+CASES = [
+    pytest.param(
+        AdmissionConfig(max_sessions=2),
+        [
+            ("open", "a", "x", 0, 0, True),
+            ("open", "b", "y", 0, 0, True),
+            ("open", "c", "z", 0, 0, "maximum of 2"),
+        ],
+        id="global cap refuses the third",
+    ),
+    pytest.param(
+        AdmissionConfig(max_sessions=2),
+        [
+            ("open", "a", "x", 0, 0, True),
+            ("open", "b", "y", 0, 0, True),
+            ("close", "a"),
+            ("open", "c", "z", 0, 0, True),
+        ],
+        id="a release makes room",
+    ),
+    pytest.param(
+        AdmissionConfig(max_sessions_per_client=1),
+        [
+            ("open", "a", "x", 0, 0, True),
+            ("open", "b", "x", 0, 0, "'x' holds"),
+            ("open", "c", "y", 0, 0, True),
+        ],
+        id="per-client cap counts each client apart",
+    ),
+    pytest.param(
+        AdmissionConfig(sessions_per_minute=2),
+        [
+            ("open", "a", "x", 0, 0, True),
+            ("close", "a"),
+            ("open", "b", "x", 0, 10, True),
+            ("close", "b"),
+            ("open", "c", "x", 0, 20, "last minute"),
+            ("open", "d", "y", 0, 20, True),
+            ("open", "e", "x", 0, 60.5, True),
+        ],
+        id="rate per client per minute, sliding",
+    ),
+    pytest.param(
+        AdmissionConfig(kv_budget_bytes=10 * MiB),
+        [
+            ("open", "a", "x", 6 * MiB, 0, True),
+            ("open", "b", "y", 5 * MiB, 0, "5 MiB of KV cache; 4 MiB"),
+            ("open", "c", "y", 4 * MiB, 0, True),
+            ("close", "a"),
+            ("open", "d", "y", 6 * MiB, 0, True),
+        ],
+        id="kv budget",
+    ),
+    pytest.param(
+        AdmissionConfig(max_sessions=1, sessions_per_minute=1),
+        [
+            ("open", "a", "x", 0, 0, True),
+            ("open", "b", "x", 0, 1, "maximum of 1"),
+            ("close", "a"),
+            ("open", "c", "x", 0, 2, "last minute"),
+        ],
+        id="a refusal by a cap does not spend the rate, the admitted open does",
+    ),
+    pytest.param(
+        AdmissionConfig(),
+        [("open", str(i), "x", 10**12, 0, True) for i in range(50)],
+        id="no limits: everything is admitted",
+    ),
+]
+
+
+@pytest.mark.parametrize("config, steps", CASES)
+def test_admission_table(config, steps):
+    admission = Admission(config)
+    for step in steps:
+        if step[0] == "close":
+            admission.release(step[1])
+            continue
+        _, key, client, kv, now, expected = step
+        if expected is True:
+            admission.admit(key, client, kv, now)
+        else:
+            active, reserved = admission.active, admission.kv_reserved
+            with pytest.raises(Refused, match=expected) as refused:
+                admission.admit(key, client, kv, now)
+            assert refused.value.retry_after_s > 0
+            assert (admission.active, admission.kv_reserved) == (active, reserved)  # nothing held
+
+
+def test_release_is_idempotent_and_frees_everything():
+    admission = Admission(AdmissionConfig(max_sessions=1, kv_budget_bytes=MiB))
+    admission.admit("a", "x", MiB, 0)
+    admission.release("a")
+    admission.release("a")
+    admission.release("never")
+    assert (admission.active, admission.kv_reserved) == (0, 0)
+    admission.admit("b", "x", MiB, 0)
+
+
+def test_the_rate_refusal_says_when_a_slot_frees():
+    admission = Admission(AdmissionConfig(sessions_per_minute=1))
+    admission.admit("a", "x", 0, 100.0)
+    with pytest.raises(Refused) as refused:
+        admission.admit("b", "x", 0, 130.0)
+    assert refused.value.retry_after_s == pytest.approx(30.0)
+
+
+def test_window_counts_a_sliding_second():
+    window = Window(3, 1.0)
+    assert [window.allow(t) for t in (0.0, 0.1, 0.2, 0.3, 1.05, 1.1)] == [True, True, True, False, True, True]
+
+
+def test_kv_estimate_counts_every_position_the_session_may_hold():
+    assert kv_estimate(committed=100, max_new_tokens=28, bytes_per_position=3840) == 128 * 3840

@@ -1,0 +1,122 @@
+"""Who may open a session now: caps on sessions (global, per client), a per-client rate of new ones,
+and a budget of KV memory. Pure: no gRPC, no torch; the clock is passed in.
+
+The servicer asks `admit` before any work for an open, and `release`s the session when its stream
+ends, however it ends. A refusal says when trying again may succeed (`Refused.retry_after_s`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_sessions: int = 0  # sessions open at once on this verifier; 0: no cap
+    max_sessions_per_client: int = 0  # sessions one client holds open at once; 0: no cap
+    sessions_per_minute: int = 0  # new sessions one client may open in any 60 s; 0: no cap
+    kv_budget_bytes: int = 0  # KV memory the open sessions may reserve together; 0: no budget
+    retry_after_s: float = 1.0  # the hint when nothing better is known (a cap: someone must leave)
+    max_stale_per_s: int = 200  # stale proposals one session may send in any second; 0: no limit
+
+
+class Refused(Exception):
+    """An open this verifier cannot take now (gRPC RESOURCE_EXHAUSTED, with the retry hint)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Window:
+    """Counts events in a sliding window of `period_s`; `allow` says whether one more fits `limit`."""
+
+    def __init__(self, limit: int, period_s: float):
+        self.limit, self.period_s = limit, period_s
+        self._times: collections.deque[float] = collections.deque()
+
+    def _expire(self, now: float) -> None:
+        while self._times and self._times[0] <= now - self.period_s:
+            self._times.popleft()
+
+    def allow(self, now: float) -> bool:
+        """Counts one event at `now` if the window has room for it; returns whether it had."""
+        self._expire(now)
+        if self.limit and len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the window has room again."""
+        self._expire(now)
+        return 0.0 if len(self._times) < self.limit else self._times[0] + self.period_s - now
+
+
+@dataclass(frozen=True)
+class _Held:
+    client: str
+    kv_bytes: int
+
+
+class Admission:
+    """The open sessions, by client, and the KV memory they reserved."""
+
+    def __init__(self, config: AdmissionConfig):
+        self.config = config
+        self._held: dict[str, _Held] = {}  # session key -> what it holds
+        self._per_client: collections.Counter[str] = collections.Counter()
+        self._rates: dict[str, Window] = {}
+        self.kv_reserved = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._held)
+
+    def admit(self, key: str, client: str, kv_bytes: int, now: float) -> None:
+        """Admits session `key` of `client`, which may need `kv_bytes` of KV cache, at time `now`.
+
+        Raises Refused, changing nothing, when a cap, the rate or the KV budget says no."""
+        c = self.config
+        if c.max_sessions and self.active >= c.max_sessions:
+            raise Refused(f"the verifier holds its maximum of {c.max_sessions} sessions", c.retry_after_s)
+        if c.max_sessions_per_client and self._per_client[client] >= c.max_sessions_per_client:
+            raise Refused(
+                f"client {client!r} holds its maximum of {c.max_sessions_per_client} sessions",
+                c.retry_after_s,
+            )
+        if c.kv_budget_bytes and self.kv_reserved + kv_bytes > c.kv_budget_bytes:
+            mib = 1 << 20
+            raise Refused(
+                f"the session would need {math.ceil(kv_bytes / mib)} MiB of KV cache; "
+                f"{(c.kv_budget_bytes - self.kv_reserved) // mib} MiB of the verifier's "
+                f"{c.kv_budget_bytes // mib} MiB budget is free",
+                c.retry_after_s,
+            )
+        if c.sessions_per_minute:
+            rate = self._rates.setdefault(client, Window(c.sessions_per_minute, 60.0))
+            if not rate.allow(now):
+                raise Refused(
+                    f"client {client!r} opened {c.sessions_per_minute} sessions in the last minute",
+                    rate.wait_s(now),
+                )
+        self._held[key] = _Held(client, kv_bytes)
+        self._per_client[client] += 1
+        self.kv_reserved += kv_bytes
+
+    def release(self, key: str) -> None:
+        """Ends what session `key` held; a key never admitted is ignored."""
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        self._per_client[held.client] -= 1
+        if not self._per_client[held.client]:
+            del self._per_client[held.client]
+        self.kv_reserved -= held.kv_bytes
+
+
+def kv_estimate(committed: int, max_new_tokens: int, bytes_per_position: int) -> int:
+    """KV memory a session may come to hold: every committed position and every one it may generate."""
+    return (committed + max_new_tokens) * bytes_per_position

@@ -1,0 +1,84 @@
+"""How long a session may live on the verifier: an idle timeout, a maximum age, and the drain that
+ends the rest when the server shuts down. The servicer reads a session's messages through `messages`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass(frozen=True)
+class LifetimeConfig:
+    idle_timeout_s: float = 60.0  # no message from the edge this long: DEADLINE_EXCEEDED, cache freed
+    max_age_s: float = 3600.0  # a session open this long ends with DEADLINE_EXCEEDED
+    drain_timeout_s: float = 30.0  # on SIGTERM, running sessions may finish this long; then UNAVAILABLE
+
+
+class Ended(Exception):
+    """The verifier ends a session for its own reasons: `code` is the status the edge gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+SHUTTING_DOWN = "the verifier is shutting down: resume elsewhere with the committed tokens"
+
+
+def cut_off() -> Ended:
+    """The end of a session the drain did not let finish (the edge resumes elsewhere)."""
+    return Ended(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+
+
+class Lifetime:
+    """One session's clock: since when it is open, and the server-wide `cut` that ends it."""
+
+    def __init__(self, config: LifetimeConfig, cut: asyncio.Event):
+        self.config, self.cut = config, cut
+        self.opened_at = asyncio.get_running_loop().time()
+
+    def age_left(self) -> float:
+        return self.config.max_age_s - (asyncio.get_running_loop().time() - self.opened_at)
+
+    def check(self) -> None:
+        """Raises Ended when the session must end now (the drain cut it, or it is too old)."""
+        if self.cut.is_set():
+            raise cut_off()
+        if self.age_left() <= 0:
+            raise Ended(grpc.StatusCode.DEADLINE_EXCEEDED, self._too_old())
+
+    def _too_old(self) -> str:
+        return f"the session reached the verifier's maximum age of {self.config.max_age_s:g} s"
+
+    async def messages(self, requests: AsyncIterable) -> AsyncIterator:
+        """The edge's messages, until it half-closes. Raises Ended when none comes within the idle
+        timeout, when the session reaches its maximum age, or when the drain cuts it."""
+        it = aiter(requests)
+        cut = asyncio.ensure_future(self.cut.wait())
+        end = object()
+        try:
+            while True:
+                self.check()
+                read = asyncio.ensure_future(anext(it, end))
+                wait = min(self.config.idle_timeout_s, self.age_left())
+                done, _ = await asyncio.wait(
+                    {read, cut}, timeout=max(wait, 0.0), return_when="FIRST_COMPLETED"
+                )
+                if read not in done:
+                    read.cancel()
+                    self.check()
+                    raise Ended(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no message from the edge for {self.config.idle_timeout_s:g} s: "
+                        "the session ended and its cache was freed",
+                    )
+                message = read.result()
+                if message is end:
+                    return
+                yield message
+        finally:
+            cut.cancel()
