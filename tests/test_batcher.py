@@ -92,3 +92,66 @@ def test_an_engine_failure_reaches_its_forward_and_the_batcher_goes_on():
 
     (results, after), _ = run(BatchConfig(window_s=0), scenario)
     assert isinstance(results[0], ValueError) and tuple(after.shape) == (1, 64)
+
+
+class PositionCostEngine(FakeEngine):
+    """A fake engine whose forward takes `per_position_s` for each position it computes."""
+
+    per_position_s = 0.001
+
+    def forward_many(self, forwards):
+        time.sleep(self.per_position_s * sum(len(f.token_ids) for f in forwards))
+        return super().forward_many(forwards)
+
+
+def test_a_long_prefill_runs_in_chunks_and_a_round_queued_behind_it_joins_the_first():
+    async def scenario(batcher):
+        for key in "ab":
+            batcher.join(key)
+        await batcher.forward(Forward("a", 0, (1, 2, 3), wants_logits=False))
+        long = batcher.forward(Forward("b", 0, tuple(range(1, 251)), wants_logits=False))
+        return await asyncio.gather(long, batcher.forward(Forward("a", 3, (4,))))
+
+    (prefill, round_logits), engine = run(BatchConfig(window_s=0, max_prefill_positions=100), scenario)
+    assert prefill is None and round_logits is not None
+    chunks = [f for b in engine.batches for f in b if f.key == "b"]
+    assert [(f.keep, len(f.token_ids)) for f in chunks] == [(0, 100), (100, 100), (200, 50)]
+    assert engine.held["b"] == 250  # the chunks add up to the whole prefill, in order
+    assert sorted(f.key for f in engine.batches[1]) == ["a", "b"]  # the round did not wait for the rest
+
+
+def test_a_bystanders_round_does_not_wait_behind_other_sessions_prefills():
+    """Twenty sessions open with 400-position prompts just before a bystander's round: the round waits
+    for one chunked batch (at most 64 prefill positions), not for 8,000 positions of prefill."""
+
+    async def scenario(batcher):
+        batcher.join("bystander")
+        await batcher.forward(Forward("bystander", 0, (1, 2), wants_logits=False))
+        start = time.perf_counter()
+        await batcher.forward(Forward("bystander", 2, (3,)))
+        alone = time.perf_counter() - start
+        prefills = [
+            asyncio.ensure_future(
+                batcher.forward(Forward(f"s{i}", 0, tuple(range(1, 401)), wants_logits=False))
+            )
+            for i in range(20)
+        ]
+        await asyncio.sleep(0.01)  # the first chunk is running
+        start = time.perf_counter()
+        await batcher.forward(Forward("bystander", 3, (4,)))
+        crowded = time.perf_counter() - start
+        await asyncio.gather(*prefills)
+        return alone, crowded
+
+    engine = PositionCostEngine()
+
+    async def main():
+        batcher = Batcher(engine, BatchConfig(window_s=0, max_prefill_positions=64))
+        try:
+            return await scenario(batcher)
+        finally:
+            batcher.close()
+
+    alone, crowded = asyncio.run(main())
+    assert crowded < 0.3  # two batches of at most 65 positions at 1 ms each, with slack; unchunked: 8 s
+    assert all(sum(len(f.token_ids) for f in b if not f.wants_logits) <= 64 for b in engine.batches)

@@ -97,6 +97,12 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-budget-mb", type=float, default=0, help="KV memory open sessions may reserve (prompt + budget)"
     )
+    g.add_argument(
+        "--max-prefill-positions",
+        type=int,
+        default=256,
+        help="prefill positions per engine batch; longer prefills run in chunks beside other rounds",
+    )
     g.add_argument("--max-stale-per-s", type=int, default=200, help="stale proposals per session per second")
     g.add_argument("--idle-timeout-s", type=float, default=60.0, help="a session silent this long ends")
     g.add_argument("--max-session-age-s", type=float, default=3600.0, help="a session open this long ends")
@@ -422,7 +428,11 @@ def _serve(args) -> int:
         args.port,
         args.max_message_bytes,
         VerifierLimits(max_gamma=args.max_gamma),
-        BatchConfig(max_batch=args.max_batch, window_s=args.batch_window_ms / 1000),
+        BatchConfig(
+            max_batch=args.max_batch,
+            window_s=args.batch_window_ms / 1000,
+            max_prefill_positions=args.max_prefill_positions,
+        ),
         metrics_port=args.metrics_port,
         prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
         tls=tls,

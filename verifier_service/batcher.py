@@ -8,6 +8,7 @@ no waiting. An optional window holds the first forward a little longer to gather
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,9 @@ class BatchConfig:
     # window_s and at most window_fraction of the last batch's duration; 0 batches only what queued.
     window_s: float = 0.01
     window_fraction: float = 0.5
+    # Prefill positions one batch runs, all sessions together; a longer prefill runs in chunks over
+    # the next batches, so that other sessions' rounds never wait behind it. 0: whole prefills.
+    max_prefill_positions: int = 256
 
 
 @dataclass
@@ -134,25 +138,50 @@ class Batcher:
             self._wake.clear()
             while self._pending or self._releases:
                 await self._gather()
-                batch, keys = [], set()
-                for item in self._pending:
-                    forward, future = item
-                    if len(batch) < self.config.max_batch and forward.key not in keys and not future.done():
-                        batch.append(item)
-                        keys.add(forward.key)
-                taken = {id(future) for _, future in batch}
-                self._pending = [(f, fu) for f, fu in self._pending if id(fu) not in taken and not fu.done()]
+                batch, self._pending = self._take_batch(self._pending)
                 releases, self._releases = self._releases, []
                 try:
-                    results = await self.call(self._run_batch, [f for f, _ in batch], releases)
+                    results = await self.call(self._run_batch, [f for f, _, _ in batch], releases)
                 except Exception as e:  # the engine failed: every session in the batch hears it
-                    for _, future in batch:
+                    for _, future, _ in batch:
                         if not future.done():
                             future.set_exception(e)
                     continue
-                for (_, future), result in zip(batch, results, strict=True):
-                    if not future.done():
+                for (_, future, whole), result in zip(batch, results, strict=True):
+                    if whole and not future.done():
                         future.set_result(result)
+
+    def _take_batch(self, pending: list) -> tuple[list, list]:
+        """The next batch from `pending`, in arrival order, and what stays pending.
+
+        At most max_batch forwards, one per session, and at most max_prefill_positions prefill
+        positions: a longer prefill contributes its first positions (its future still pending, `whole`
+        False) and its rest stays queued where it was. Rounds are never cut."""
+        batch, keys, left = [], set(), []  # batch: (forward, future, whole)
+        room = self.config.max_prefill_positions or None
+        for forward, future in pending:
+            if future.done():
+                continue
+            if len(batch) >= self.config.max_batch or forward.key in keys:
+                left.append((forward, future))
+                continue
+            positions = len(forward.token_ids)
+            if room is not None and not forward.wants_logits and positions:
+                if room == 0:
+                    left.append((forward, future))
+                    continue
+                if positions > room:
+                    head = dataclasses.replace(forward, token_ids=forward.token_ids[:room])
+                    rest = Forward(forward.key, forward.keep + room, forward.token_ids[room:], False)
+                    batch.append((head, future, False))
+                    keys.add(forward.key)
+                    left.append((rest, future))
+                    room = 0
+                    continue
+                room -= positions
+            batch.append((forward, future, True))
+            keys.add(forward.key)
+        return batch, left
 
     async def _gather(self) -> None:
         # Sessions answered by the last batch come back after their edge's draft and a round trip;
