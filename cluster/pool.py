@@ -244,6 +244,14 @@ class Pool:
                 break
         slot = self.table.slots.get(name)
         if slot is not None and slot.state is State.DRAINING:
+            # The sessions left end with UNAVAILABLE (their edges resume through the front elsewhere)
+            # before the process goes; a replica that does not answer is killed all the same.
+            actor = self._actors.get(name)
+            if actor is not None:
+                try:
+                    await asyncio.wait_for(actor.drain.remote(0.0), CUT_TIMEOUT_S)
+                except Exception as e:  # gone already, or hung: the kill below ends it
+                    log.warning("replica %s: no graceful drain (%s)", name, e)
             self._retire(name)
             log.info("replica %s drained and stopped", name)
 
@@ -294,6 +302,9 @@ class Pool:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("pool task failed", exc_info=task.exception())
+
+
+CUT_TIMEOUT_S = 5.0  # a draining replica's last sessions get this long to hear UNAVAILABLE
 
 
 def secured(replica: ReplicaConfig, tls: TlsConfig | None, secret: str) -> ReplicaConfig:

@@ -57,6 +57,14 @@ class VerifierReplica:
         self._stopped = self._stopped or asyncio.Event()
         await self._stopped.wait()
 
+    async def drain(self, timeout_s: float = 0.0) -> None:
+        """Drains the server (VerifierServer.drain): no new sessions, running ones may finish within
+        `timeout_s`, the rest end with UNAVAILABLE, so their edges resume elsewhere; then stops."""
+        if self._server is not None:
+            await self._server.drain(timeout_s)
+        self._stopped = self._stopped or asyncio.Event()
+        self._stopped.set()
+
     async def stop(self, grace: float = 1.0) -> None:
         """Stops the server, giving open streams `grace` seconds."""
         if self._server is not None:

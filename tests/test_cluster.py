@@ -308,6 +308,35 @@ def test_scaling_down_drains_a_replica_without_cutting_its_session(pool, loop, e
     loop.run(back_to_two(), timeout=150)
 
 
+def test_a_drain_past_its_timeout_ends_the_session_and_its_edge_resumes_elsewhere(loop, test_pair, engine):
+    """Resize 2 -> 1 with a drain timeout of 0.5 s: the drained replica's session ends with UNAVAILABLE
+    (the replica drains gracefully, then goes), its edge resumes on the other replica through the front
+    with every committed token, and both outputs are exactly the target's."""
+    scaling = ScalingConfig(min_replicas=2, max_replicas=2, interval_s=0.5, drain_timeout_s=0.5)
+    pool, front, address = loop.run(start_pool(pool_config(test_pair, scaling)), timeout=180)
+    new_tokens = 120
+    try:
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(address) as channel:
+                runs = [generation(channel, engine, p, new_tokens, seed=i) for i, p in enumerate(PROMPTS[:2])]
+                while min(len(committed) for _, committed, _ in runs) < 4:
+                    await asyncio.sleep(0.01)
+                pool.resize(1)
+                [drained] = pool.table.of(State.DRAINING)
+                await asyncio.gather(*(task for task, _, _ in runs))
+                await pool.wait_for(lambda p: drained.name not in p.table.slots, 30)
+                return [(committed, stats) for _, committed, stats in runs]
+
+        results = loop.run(scenario(), timeout=180)
+    finally:
+        loop.run(front.stop(0))
+        loop.run(pool.close())
+    for prompt, (ids, _) in zip(PROMPTS, results, strict=False):
+        assert ids == expected(engine, prompt, new_tokens)
+    assert sorted(stats.resumes for _, stats in results) == [0, 1]
+
+
 def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engine):
     """min 1, max 2, one session per replica: two open sessions bring a second replica up; when they end
     the pool drains back to one."""
