@@ -166,29 +166,30 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
         except Refused as e:
             log.info("session %s not admitted: %s", key, e)
-            self.refusals[grpc.StatusCode.RESOURCE_EXHAUSTED.name] += 1
             retry_ms = max(1, round(e.retry_after_s * 1000))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{e}; retry after {retry_ms} ms",
-                trailing_metadata=((RETRY_AFTER, str(retry_ms)),),
-            )
+            ending = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {retry_ms} ms", retry_ms)
         except Ended as e:
             log.info("session %s ended: %s", key, e)
-            self.refusals[e.code.name] += 1
-            await context.abort(e.code, str(e))
+            ending = (e.code, str(e), None)
         except SessionError as e:
             log.info("session %s refused: %s", key, e)
-            self.refusals[_STATUS[type(e)].name] += 1
-            await context.abort(_STATUS[type(e)], str(e))
+            ending = (_STATUS[type(e)], str(e), None)
         except Exception as e:  # a bug or a device failure: end this session only, say so
             log.exception("session %s failed", key)
-            self.refusals[grpc.StatusCode.INTERNAL.name] += 1
-            await context.abort(grpc.StatusCode.INTERNAL, f"verifier error: {type(e).__name__}: {e}")
+            ending = (grpc.StatusCode.INTERNAL, f"verifier error: {type(e).__name__}: {e}", None)
+        else:
+            return
         finally:
             # Queued behind any forward of this key, so nothing outlives the release.
             self.batcher.release(key)
             self.admission.release(key)
+        # Aborted outside the except clauses and with the request dropped: the abort's traceback holds
+        # this frame, and a refused request must not stay alive with it (a 1 MiB open held 8 MB each).
+        session = spec = message = None
+        code, details, retry_ms = ending
+        self.refusals[code.name] += 1
+        metadata = ((RETRY_AFTER, str(retry_ms)),) if retry_ms is not None else ()
+        await context.abort(code, details, trailing_metadata=metadata)
 
     def _kv_bytes(self, spec) -> int:
         """What the session's KV cache may come to: its committed and generable positions (0 when the
