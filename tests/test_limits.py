@@ -217,3 +217,24 @@ def test_refused_large_opens_do_not_stay_in_memory(test_pair):
         after = rss_mb(server.proc.pid)
     assert warm == codes == {grpc.StatusCode.INVALID_ARGUMENT}
     assert after - before < 250, (before, after)
+
+
+def test_an_invalid_open_is_told_so_and_spends_no_slot(per_client):
+    """With the client's one slot taken, an open with an empty prompt still gets INVALID_ARGUMENT: the
+    spec is checked before admission, and a refused open holds nothing."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(per_client.address) as channel:
+            await settle(channel, 0)
+            held = await opened(channel)
+            call = pb_grpc.VerifierStub(channel).Session()
+            await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=[])))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call.read()
+            held.cancel()
+            await settle(channel, 0)
+            return error.value, await opened(channel)
+
+    error, after = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not isinstance(after, grpc.aio.AioRpcError)  # the slot was free again

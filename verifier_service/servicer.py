@@ -123,6 +123,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # Not guessable; the session, its cache and what it leaves for a next turn belong to the caller.
         key = f"session-{secrets.token_urlsafe(12)}"
         owner = auth.caller().name
+        client = client_name(context)  # whom the per-client caps count this session against
         session: VerifierSession | None = None
         lifetime = Lifetime(self.config.lifetime, self.cut)
         stale = Window(self.config.admission.max_stale_per_s, 1.0)
@@ -137,9 +138,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     del message  # a refused open keeps nothing of the request alive
                     if self.draining:
                         raise cut_off()
-                    self.admission.admit(key, client_name(context), self._kv_bytes(spec), loop.time())
                     session = await VerifierSession.open(
-                        self.batcher, spec, self.config.limits, self.stats, key, owner=owner
+                        self.batcher,
+                        spec,
+                        self.config.limits,
+                        self.stats,
+                        key,
+                        owner=owner,
+                        admit=lambda s: self.admission.admit(
+                            key, client, self._kv_bytes(s.spec), loop.time()
+                        ),
                     )
                     opened = pb.SessionOpened(
                         session_id=key,

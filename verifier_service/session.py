@@ -149,14 +149,17 @@ class VerifierSession:
         self.reused_positions = 0  # prefill positions taken from a kept cache
 
     @classmethod
-    async def open(cls, batcher: Batcher, spec: SessionSpec, *args, **kwargs) -> VerifierSession:
+    async def open(cls, batcher: Batcher, spec: SessionSpec, *args, admit=None, **kwargs) -> VerifierSession:
         """A validated session whose cache holds every committed position but the last: those a kept
         cache already holds (a conversation's earlier turns, `PrefixCache`) are taken from it, the rest
-        computed.
+        computed. `admit(session)`, when given, runs once the spec is valid and before any work: what it
+        raises (the servicer's admission refusal) ends the open with nothing held.
 
         Raises InvalidRequest or WrongState before any work, and what the engine raises.
         """
         session = cls(batcher, spec, *args, **kwargs)
+        if admit is not None:
+            admit(session)
         session.stats.sessions_opened += 1
         session.stats.thin_sessions += spec.thin
         batcher.join(session.key)
