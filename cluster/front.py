@@ -109,13 +109,23 @@ class Front:
             await self.server.stop(grace)
 
     async def _session(self, request_iterator, context):
+        # A stream takes a slot (and counts for the autoscaler) once its first message is in: streams
+        # that send nothing scale nothing, and end after the idle timeout.
+        messages = aiter(request_iterator)
+        idle_s = self.config.lifetime.idle_timeout_s
+        try:
+            first = await asyncio.wait_for(anext(messages, None), idle_s)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no open message within {idle_s:g} s")
+        if first is None:
+            return
         try:
             slot = await self.pool.acquire()
         except NoReplica as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         metadata = self.pool.hop_metadata(auth.caller())
         call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
-        up = asyncio.get_running_loop().create_task(_pump(request_iterator, call))
+        up = asyncio.get_running_loop().create_task(_pump(_after(first, messages), call))
         try:
             while (reply := await call.read()) is not grpc.aio.EOF:
                 yield reply
@@ -172,6 +182,13 @@ class Front:
             for name in ("", SERVICE):
                 await self._health.set(name, codes.SERVING if serving else codes.NOT_SERVING)
             await self.pool.wait_for(lambda p, was=serving: bool(p.table.of(State.LIVE)) != was, timeout=None)
+
+
+async def _after(first, rest):
+    """`first`, then the messages of `rest`."""
+    yield first
+    async for message in rest:
+        yield message
 
 
 async def _pump(request_iterator, call) -> None:

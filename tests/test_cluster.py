@@ -349,6 +349,11 @@ def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engi
         async def scenario():
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = pb_grpc.VerifierStub(channel)
+                silent = [stub.Session() for _ in range(4)]  # streams that never send a message
+                await asyncio.sleep(1.5)  # several autoscaler intervals: they hold no slot, scale nothing
+                assert len(pool.table.slots) == 1 and pool.open_sessions == 0
+                for call in silent:
+                    call.cancel()
                 held = []
                 for prompt in PROMPTS[:2]:  # sessions opened and left waiting: load without work
                     call = stub.Session()
