@@ -59,7 +59,7 @@ class Lifetime:
         timeout, when the session reaches its maximum age, or when the drain cuts it."""
         it = aiter(requests)
         cut = asyncio.ensure_future(self.cut.wait())
-        end = object()
+        end, read = object(), None
         try:
             while True:
                 self.check()
@@ -80,5 +80,7 @@ class Lifetime:
                 if message is end:
                     return
                 yield message
-        finally:
+        finally:  # the handler may be cancelled while a read is pending: leave no task behind
             cut.cancel()
+            if read is not None and not read.done():
+                read.cancel()
