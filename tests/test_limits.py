@@ -238,3 +238,26 @@ def test_an_invalid_open_is_told_so_and_spends_no_slot(per_client):
     error, after = asyncio.run(scenario())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not isinstance(after, grpc.aio.AioRpcError)  # the slot was free again
+
+
+def test_a_run_of_stale_proposals_ends_the_session(per_client):
+    """By default: 64 stale proposals in a row are answered (a pipelined edge makes at most its depth
+    stale per rejected draft), the 65th ends the session."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(per_client.address) as channel:
+            await settle(channel, 0)
+            stale = [
+                pb.EdgeMessage(proposal=pb.Proposal(round=r, start_position=99, draft_token_ids=[1]))
+                for r in range(1, 100)
+            ]
+            call = pb_grpc.VerifierStub(channel).Session(iter([open_msg(), *stale]))
+            replies = []
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for reply in call:
+                    replies.append(reply)
+            return replies, error.value
+
+    replies, error = asyncio.run(scenario())
+    assert error.code() == EXHAUSTED and "in a row" in error.details()
+    assert sum(r.WhichOneof("kind") == "verdict" for r in replies) == 64

@@ -103,7 +103,10 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         default=256,
         help="prefill positions per engine batch; longer prefills run in chunks beside other rounds",
     )
-    g.add_argument("--max-stale-per-s", type=int, default=200, help="stale proposals per session per second")
+    g.add_argument(
+        "--max-stale-in-a-row", type=int, default=64, help="stale proposals in a row that end a session"
+    )
+    g.add_argument("--max-stale-per-s", type=int, default=0, help="stale proposals per session per second")
     g.add_argument("--idle-timeout-s", type=float, default=60.0, help="a session silent this long ends")
     g.add_argument("--max-session-age-s", type=float, default=3600.0, help="a session open this long ends")
     g.add_argument(
@@ -124,6 +127,7 @@ def _limits(args):
         max_sessions_per_client=args.max_sessions_per_client,
         sessions_per_minute=args.sessions_per_minute,
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        max_stale_in_a_row=args.max_stale_in_a_row,
         max_stale_per_s=args.max_stale_per_s,
     )
     return admission, LifetimeConfig(args.idle_timeout_s, args.max_session_age_s, args.drain_timeout_s)

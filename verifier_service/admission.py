@@ -19,7 +19,10 @@ class AdmissionConfig:
     sessions_per_minute: int = 0  # new sessions one client may open in any 60 s; 0: no cap
     kv_budget_bytes: int = 0  # KV memory the open sessions may reserve together; 0: no budget
     retry_after_s: float = 1.0  # the hint when nothing better is known (a cap: someone must leave)
-    max_stale_per_s: int = 200  # stale proposals one session may send in any second; 0: no limit
+    # Stale proposals (answered without the target): a pipelined edge makes at most its depth stale per
+    # rejection, a flood many more. More in a row than this ends the session; 0: no limit.
+    max_stale_in_a_row: int = 64
+    max_stale_per_s: int = 0  # stale proposals one session may send in any second; 0: no limit
 
 
 class Refused(Exception):

@@ -126,7 +126,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         client = client_name(context)  # whom the per-client caps count this session against
         session: VerifierSession | None = None
         lifetime = Lifetime(self.config.lifetime, self.cut)
-        stale = Window(self.config.admission.max_stale_per_s, 1.0)
+        stale, stale_in_a_row = Window(self.config.admission.max_stale_per_s, 1.0), 0
         loop = asyncio.get_running_loop()
         try:
             async for message in lifetime.messages(request_iterator):
@@ -166,11 +166,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     raise InvalidRequest("the session is already open: send proposals")
                 else:
                     verdict = await session.play(wire.proposal_from_proto(message.proposal))
-                    if verdict.stale and stale.limit and not stale.allow(loop.time()):
-                        raise Ended(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"more than {stale.limit} stale proposals in a second: the session is ended",
-                        )
+                    stale_in_a_row = stale_in_a_row + 1 if verdict.stale else 0
+                    if verdict.stale:
+                        self._check_stale(stale_in_a_row, stale, loop.time())
                     yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
         except Refused as e:
             log.info("session %s not admitted: %s", key, e)
@@ -198,6 +196,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.refusals[code.name] += 1
         metadata = ((RETRY_AFTER, str(retry_ms)),) if retry_ms is not None else ()
         await context.abort(code, details, trailing_metadata=metadata)
+
+    def _check_stale(self, in_a_row: int, per_second: Window, now: float) -> None:
+        """Raises Ended (RESOURCE_EXHAUSTED) when a session's stale proposals look like a flood."""
+        limit = self.config.admission.max_stale_in_a_row
+        if limit and in_a_row > limit:
+            raise Ended(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"more than {limit} stale proposals in a row: the session is ended",
+            )
+        if per_second.limit and not per_second.allow(now):
+            raise Ended(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"more than {per_second.limit} stale proposals in a second: the session is ended",
+            )
 
     def _kv_bytes(self, spec) -> int:
         """What the session's KV cache may come to: its committed and generable positions (0 when the
