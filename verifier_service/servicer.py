@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
@@ -180,6 +181,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except SessionError as e:
             log.info("session %s refused: %s", key, e)
             ending = (_STATUS[type(e)], str(e), None)
+        except DecodeError as e:  # bytes that are no EdgeMessage: the edge's fault, not the verifier's
+            log.info("session %s sent a malformed message: %s", key, e)
+            ending = (grpc.StatusCode.INVALID_ARGUMENT, f"not an EdgeMessage: {e}", None)
         except Exception as e:  # a bug or a device failure: end this session only, say so
             log.exception("session %s failed", key)
             ending = (grpc.StatusCode.INTERNAL, f"verifier error: {type(e).__name__}: {e}", None)
@@ -313,8 +317,42 @@ def make_server(config: ServerConfig) -> grpc.aio.Server:
     options = wire.message_size_options(config.max_message_bytes)
     return grpc.aio.server(
         options=[*options, *KEEPALIVE_OPTIONS],
-        interceptors=auth.interceptors(config.auth, config.tls),
+        interceptors=[*auth.interceptors(config.auth, config.tls), MalformedRequests()],
     )
+
+
+class _Malformed:
+    """What a unary call's request deserializes to when its bytes are not the request message."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """A unary call whose bytes do not parse gets INVALID_ARGUMENT, where grpc would answer UNKNOWN.
+    (A Session's messages: the servicer catches the DecodeError.) Innermost: authentication comes first."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse, inner = handler.request_deserializer, handler.unary_unary
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Malformed(e)
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"not a {method} request: {request.error}"
+                )
+            return await inner(request, context)
+
+        return handler._replace(unary_unary=unary_unary, request_deserializer=lenient)
 
 
 # A connection silent for 30 s is pinged; one that does not answer in 10 s is closed with its streams.

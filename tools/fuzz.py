@@ -1,0 +1,599 @@
+"""`python -m tools.fuzz`: a fuzz campaign on the verifier's wire surface, driven by hypothesis.
+
+Cases: `Session` streams of mutated opens and proposals in any order (some sent in lockstep, their
+positions, rounds and assumed tokens following the session's real state so that they reach deep),
+opens and proposals written byte by byte with every numeric field at and past its limits (negative,
+int64 and uint64 extremes, NaN and infinities, wrong wire types), mutated serialized messages, raw
+bytes on every method path, and repeated fields from empty to past the message size limit.
+
+Every call has a deadline. Meanwhile a bystander session runs the same greedy generation again and
+again; it must reproduce its undisturbed output every time, and health must say SERVING. Figures:
+messages and sessions tried, statuses by code, crashes (the server gone), hangs (a call past its
+deadline), INTERNAL statuses, bystander runs and mismatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import math
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from draftwire import wire
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.vocab import Vocabulary
+from edge_client.planner import GenerationRequest
+from edge_client.replay import ReplayDrafter
+from edge_client.session import EdgeSession, Timeouts, VerifierError
+
+SERVICE = "/draftwire.v1.Verifier/"
+PATHS = [SERVICE + m for m in ("GetModelInfo", "GetStats", "Session", "Nope")] + [
+    "/grpc.health.v1.Health/Check"
+]
+U32, U64 = 2**32 - 1, 2**64 - 1
+CLIENT_RACE = "Internal error from Core"  # what grpc's aio client says when a write meets the status
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    minutes: float = 1.0  # the campaign runs this long (when examples is None)
+    examples: int | None = None  # CI: exactly this many cases, then stop
+    seed: int = 0  # hypothesis' seed of the first batch (batch b uses seed + b): a run is reproducible
+    batch: int = 200  # cases per hypothesis run
+    deadline_s: float = 30.0  # every call's deadline; a call past it is a hang
+    bystander_tokens: int = 24
+
+
+@dataclass
+class Figures:
+    messages: int = 0  # EdgeMessages (or raw byte strings) sent
+    sessions: int = 0  # Session calls
+    calls: int = 0  # all calls, unary ones included
+    opened: int = 0  # sessions the verifier opened
+    verdicts: int = 0
+    verified: int = 0  # verdicts that were not stale: rounds the target ran
+    statuses: collections.Counter = field(default_factory=collections.Counter)  # by code name
+    crashes: int = 0  # the server stopped answering (health unreachable)
+    hangs: int = 0  # calls past their deadline
+    internal: int = 0  # INTERNAL seen by the client, not counting CLIENT_RACE
+    server_internal: int | None = None  # sessions the verifier ended with INTERNAL (GetStats refusals)
+    findings: list[str] = field(default_factory=list)  # the first few cases behind a crash, hang, INTERNAL
+    bystander_runs: int = 0
+    bystander_mismatches: int = 0
+    bystander_errors: int = 0  # failed runs or resumes of the bystander
+    serving: bool = True  # health said SERVING every time it was asked
+    seconds: float = 0.0
+
+    def finding(self, what: str, case) -> None:
+        if len(self.findings) < 10:
+            self.findings.append(f"{what}: {case!r}"[:600])
+
+    @property
+    def clean(self) -> bool:
+        faults = (
+            self.crashes or self.hangs or self.internal or self.server_internal or self.bystander_mismatches
+        )
+        return not faults and (self.serving and self.bystander_runs > 0 and not self.bystander_errors)
+
+    def report(self) -> dict:
+        return {
+            "seconds": round(self.seconds, 1),
+            "messages": self.messages,
+            "sessions": self.sessions,
+            "calls": self.calls,
+            "opened": self.opened,
+            "verdicts": self.verdicts,
+            "verified": self.verified,
+            "statuses": dict(self.statuses.most_common()),
+            "crashes": self.crashes,
+            "hangs": self.hangs,
+            "internal": self.internal,
+            "server_internal": self.server_internal,
+            "bystander_runs": self.bystander_runs,
+            "bystander_mismatches": self.bystander_mismatches,
+            "bystander_errors": self.bystander_errors,
+            "serving": self.serving,
+            "clean": self.clean,
+            "findings": self.findings,
+        }
+
+
+# --- the protobuf wire format by hand, to send what the generated classes refuse to build ---
+
+
+def varint(n: int) -> bytes:
+    """Protobuf varint of n; a negative n as its 64-bit two's complement (10 bytes), as int64 sends it."""
+    n &= U64
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def tag(number: int, wire_type: int) -> bytes:
+    return varint(number << 3 | wire_type)
+
+
+def field_bytes(number: int, value) -> bytes:
+    """int: varint; float: fixed64 double; bytes: length-delimited; list of int: packed varints."""
+    if isinstance(value, float):
+        return tag(number, 1) + struct.pack("<d", value)
+    if isinstance(value, int):
+        return tag(number, 0) + varint(value)
+    if isinstance(value, list):
+        value = b"".join(varint(v) for v in value)
+    return tag(number, 2) + varint(len(value)) + value
+
+
+# --- strategies ---
+
+FLOATS = st.one_of(
+    st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, math.nan, math.inf, -math.inf, 5e-324, 1e-300, 1e308]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+U32S = st.one_of(st.sampled_from([0, 1, 2**31 - 1, 2**31, U32]), st.integers(0, U32))
+U64S = st.one_of(st.sampled_from([0, 1, 2**31, U32, 2**63 - 1, 2**63, U64]), st.integers(0, U64))
+WILD = st.one_of(  # any 64-bit value a varint can carry, as a signed int: for fields written by hand
+    st.sampled_from([-1, -(2**31), -(2**63), 2**31, 2**32, 2**63 - 1, U32, U64]), st.integers(-(2**63), U64)
+)
+
+
+def ids(vocab: int):
+    return st.one_of(st.integers(0, vocab - 1), st.integers(0, vocab - 1), st.sampled_from([vocab, U32]))
+
+
+def id_lists(vocab: int, max_size: int, sizes: tuple[int, ...]):
+    """Mostly short lists; sometimes one id repeated a limit's length (sizes), up to past 1 MiB."""
+    repeated = st.builds(lambda n, v: [v] * n, st.sampled_from(sizes), ids(vocab))
+    return st.one_of(
+        st.lists(ids(vocab), max_size=max_size), st.lists(ids(vocab), max_size=max_size), repeated
+    )
+
+
+def sometimes(valid, wild):
+    """Mostly the valid value, sometimes a wild one."""
+    return st.one_of(st.just(valid), st.just(valid), st.just(valid), wild)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A Session message built when sent: `next_round` / `follow` / `assume` fill in the session's
+    state (the next round, the committed length, the committed tokens before it)."""
+
+    message: pb.EdgeMessage | bytes
+    next_round: bool = False
+    follow: bool = False
+    assume: int = 0
+
+    def encode(self, state: State) -> bytes:
+        if isinstance(self.message, bytes):
+            return self.message
+        m = pb.EdgeMessage()
+        m.CopyFrom(self.message)
+        if m.WhichOneof("kind") == "proposal":
+            p = m.proposal
+            if self.next_round:
+                p.round = state.round + 1
+            if self.follow:
+                p.start_position = state.committed_length
+            if self.assume:
+                del p.assumed_token_ids[:]
+                p.assumed_token_ids.extend(state.committed[-self.assume :])
+            state.round = p.round
+            state.drafts.append(list(p.draft_token_ids))
+        elif m.WhichOneof("kind") == "open":
+            state.committed = [*m.open.prompt_token_ids, *m.open.generated_token_ids]
+        return m.SerializeToString()
+
+    def __repr__(self) -> str:
+        text = self.message if isinstance(self.message, bytes) else str(self.message).replace("\n", " ")
+        flags = "".join(
+            c for c, on in zip("NFA", (self.next_round, self.follow, self.assume), strict=True) if on
+        )
+        return f"Step({str(text)[:160]}{' ' + flags if flags else ''})"
+
+
+@dataclass
+class State:
+    """What the fuzzer knows of its session, from its messages and the verifier's replies."""
+
+    round: int = 0
+    committed_length: int = 0
+    committed: list[int] = field(default_factory=list)
+    drafts: collections.deque = field(default_factory=collections.deque)
+
+    def observe(self, reply: pb.VerifierMessage) -> None:
+        if reply.WhichOneof("kind") == "opened":
+            self.committed_length = reply.opened.committed_length
+            return
+        v = reply.verdict
+        draft = self.drafts.popleft() if self.drafts else list(v.server_draft_token_ids)
+        if not v.stale:
+            self.committed += draft[: v.accepted] + (
+                [v.target_token_id] if v.HasField("target_token_id") else []
+            )
+        self.committed_length = v.committed_length
+        self.committed = (self.committed + [0] * v.committed_length)[: v.committed_length]
+
+
+def cases(info: pb.ModelInfo):
+    """Every case: ("session", [Step], lockstep) or ("unary", path, bytes)."""
+    vocab, gamma, context = info.vocab_size, info.max_gamma, info.max_context
+    prompt_sizes = (0, 1, context - 1, context, context + 1, 600_000)  # the last: over 1 MiB
+    stop = st.builds(
+        pb.StopConditions,
+        max_new_tokens=st.one_of(st.integers(1, 24), st.integers(1, 24), U32S),
+        stop_token_ids=id_lists(vocab, 8, (256, 257, 5000)),
+        ignore_eos=st.booleans(),
+    )
+    sampling = st.builds(
+        lambda t, k, p, s: pb.SamplingParams(
+            temperature=t, top_k=k, seed=s, **({} if p is None else {"top_p": p})
+        ),
+        sometimes(0.0, st.one_of(st.just(0.8), FLOATS)),
+        sometimes(0, U32S),
+        sometimes(None, FLOATS),
+        U64S,
+    )
+    opens = st.builds(
+        pb.OpenSession,
+        prompt_token_ids=sometimes([5, 60, 70, 80], id_lists(vocab, 32, prompt_sizes)),
+        sampling=sampling,
+        stop=stop,
+        tokenizer_fingerprint=sometimes(info.tokenizer_fingerprint, st.text(max_size=70)),
+        generated_token_ids=sometimes([], id_lists(vocab, 8, (context, 5000))),
+        vocab_size=sometimes(vocab, U32S),
+        drafting=st.one_of(st.just(0), st.just(0), st.sampled_from([0, 1, 2, 3, 2**31 - 1, -1])),
+    ).map(lambda o: Step(pb.EdgeMessage(open=o)))
+    proposals = st.builds(
+        lambda r, s, d, a, nr, fo, asm: Step(
+            pb.EdgeMessage(
+                proposal=pb.Proposal(round=r, start_position=s, draft_token_ids=d, assumed_token_ids=a)
+            ),
+            next_round=nr,
+            follow=fo,
+            assume=asm,
+        ),
+        U64S,
+        U64S,
+        id_lists(vocab, gamma + 2, (0, gamma, gamma + 1, 1000, 600_000)),
+        id_lists(vocab, gamma + 3, (gamma + 1, gamma + 2, 1000)),
+        sometimes(True, st.just(False)),
+        sometimes(True, st.just(False)),
+        sometimes(0, st.integers(1, gamma + 2)),
+    )
+    raw_open = st.builds(  # numbers past their declared width: negative, 64-bit, wrong wire types
+        lambda prompt, t, p, k, seed_, max_new, vs, dr, extra: field_bytes(
+            1,
+            field_bytes(1, prompt)
+            + field_bytes(
+                2, field_bytes(1, t) + field_bytes(2, k) + field_bytes(3, p) + field_bytes(4, seed_)
+            )
+            + field_bytes(3, field_bytes(1, max_new))
+            + field_bytes(4, info.tokenizer_fingerprint.encode())
+            + field_bytes(6, vs)
+            + field_bytes(7, dr)
+            + extra,
+        ),
+        st.lists(WILD, min_size=1, max_size=6),
+        st.one_of(FLOATS, WILD),
+        st.one_of(FLOATS, WILD),
+        WILD,
+        WILD,
+        WILD,
+        WILD,
+        WILD,
+        st.one_of(st.just(b""), st.binary(max_size=12)),
+    ).map(Step)
+    raw_proposal = st.builds(
+        lambda r, s, d, a: Step(
+            field_bytes(2, field_bytes(1, r) + field_bytes(2, s) + field_bytes(3, d) + a)
+        ),
+        WILD,
+        WILD,
+        st.lists(WILD, max_size=gamma + 2),
+        st.one_of(st.just(b""), st.builds(lambda a: field_bytes(4, a), st.lists(WILD, max_size=4))),
+    )
+    mutated = st.builds(
+        mutate,
+        st.one_of(opens, proposals),
+        st.lists(st.tuples(U32S, st.integers(0, 255)), max_size=4),
+        st.integers(0, 3),
+    )
+    anything = st.one_of(opens, proposals, raw_open, raw_proposal, mutated, st.binary(max_size=40).map(Step))
+    structured = st.builds(
+        lambda o, ps: [o, *ps], st.one_of(opens, raw_open), st.lists(proposals, max_size=8)
+    )
+    session = st.tuples(
+        st.just("session"), st.one_of(structured, structured, st.lists(anything, max_size=8)), st.booleans()
+    )
+    unary = st.tuples(
+        st.just("unary"),
+        st.sampled_from(PATHS),
+        st.one_of(st.binary(max_size=64), mutated.map(lambda s: s.message)),
+    )
+    return st.one_of(session, session, session, unary)
+
+
+def mutate(step: Step, edits: list[tuple[int, int]], cut: int) -> Step:
+    """A serialized message with some bytes replaced (position, value) and maybe its tail cut."""
+    data = bytearray(step.encode(State(committed=[1, 2, 3], committed_length=3)))
+    for position, value in edits:
+        if data:
+            data[position % len(data)] = value
+    if cut and data:
+        del data[len(data) - cut % len(data) :]
+    return Step(bytes(data))
+
+
+# --- running the cases ---
+
+
+class Campaign:
+    """Runs cases against one verifier address and counts what comes back."""
+
+    def __init__(self, address: str, config: FuzzConfig, figures: Figures, alive=lambda: True):
+        self.address, self.config, self.figures, self.alive = address, config, figures, alive
+        self.loop = asyncio.new_event_loop()
+        self.channel = self.loop.run_until_complete(self._channel())
+
+    async def _channel(self):
+        return grpc.aio.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 1 << 24)])
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.channel.close())
+        self.loop.close()
+
+    def run(self, case) -> None:
+        started = time.monotonic()
+        try:
+            code = self.loop.run_until_complete(
+                asyncio.wait_for(self._case(case), self.config.deadline_s + 10)
+            )
+        except TimeoutError:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        f = self.figures
+        f.calls += 1
+        if code == grpc.StatusCode.INTERNAL and self._last_details == CLIENT_RACE:
+            # The verifier ended the stream (its refusal counter says with what) while this client was
+            # still writing: grpc's aio client then reports this instead of the verifier's status.
+            f.statuses["INTERNAL (client write race)"] += 1
+            return
+        f.statuses[code.name] += 1
+        if (
+            code == grpc.StatusCode.DEADLINE_EXCEEDED
+            and time.monotonic() - started >= self.config.deadline_s * 0.9
+        ):
+            f.hangs += 1
+            f.finding("hang", case)
+        elif code == grpc.StatusCode.INTERNAL:
+            f.internal += 1
+            f.finding(f"INTERNAL {self._last_details}", case)
+        elif code == grpc.StatusCode.UNAVAILABLE and not self.alive():
+            f.crashes += 1
+            f.finding("crash", case)
+
+    async def _case(self, case) -> grpc.StatusCode:
+        self._last_details = ""
+        if case[0] == "unary":
+            _, path, data = case
+            call = self.channel.unary_unary(path)(data, timeout=self.config.deadline_s)
+            self.figures.messages += 1
+            try:
+                await call
+            except grpc.aio.AioRpcError:
+                pass
+            self._last_details = await call.details()
+            return await call.code()
+        _, steps, lockstep = case
+        self.figures.sessions += 1
+        call = self.channel.stream_stream(
+            SERVICE + "Session", response_deserializer=pb.VerifierMessage.FromString
+        )(timeout=self.config.deadline_s)
+        state = State()
+        try:
+            for step in steps:
+                await call.write(step.encode(state))
+                self.figures.messages += 1
+                if lockstep:
+                    reply = await call.read()
+                    if reply is grpc.aio.EOF:
+                        break
+                    self._observe(state, reply)
+            await call.done_writing()
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                self._observe(state, reply)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the status says why
+        except grpc.aio.UsageError:
+            pass
+        self._last_details = await call.details()
+        return await call.code()
+
+    def _observe(self, state: State, reply: pb.VerifierMessage) -> None:
+        state.observe(reply)
+        if reply.WhichOneof("kind") == "opened":
+            self.figures.opened += 1
+        else:
+            self.figures.verdicts += 1
+            self.figures.verified += not reply.verdict.stale
+
+
+async def healthy(channel) -> bool:
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Bystander(threading.Thread):
+    """A well-behaved session run again and again on its own connection while the fuzzing goes on:
+    greedy, drafted from its own recorded output with a share corrupted; every run must reproduce the
+    output recorded before the fuzzing began."""
+
+    def __init__(self, address: str, config: FuzzConfig, figures: Figures):
+        super().__init__(daemon=True)
+        self.address, self.config, self.figures = address, config, figures
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as e:  # reported by the campaign
+            self.error = e
+            self.ready.set()
+
+    async def _run(self) -> None:
+        f, timeouts = self.figures, Timeouts(call_s=self.config.deadline_s, verdict_s=self.config.deadline_s)
+        async with wire.insecure_channel(self.address) as channel:
+            info = await EdgeSession(channel, None, timeouts).model_info()
+            vocab = Vocabulary(info.target.vocabulary.size, info.target.vocabulary.fingerprint)
+            prompt = tuple(range(5, 5 + 12))
+            request = GenerationRequest(prompt, max_new_tokens=self.config.bystander_tokens, ignore_eos=True)
+            reference, _ = await EdgeSession(channel, ReplayDrafter(prompt, vocab, 1.0), timeouts).run(
+                request
+            )
+            self.ready.set()
+            n = 0
+            while not self.stop.is_set() or n == 0:
+                n += 1
+                drafter = ReplayDrafter(prompt + tuple(reference), vocab, 0.3, seed=n)
+                session = EdgeSession(channel, drafter, timeouts)
+                try:
+                    ids, stats = await session.run(request)
+                    f.bystander_errors += stats.resumes
+                    f.bystander_mismatches += ids != reference
+                except (VerifierError, grpc.aio.AioRpcError):
+                    f.bystander_errors += 1
+                f.bystander_runs += 1
+                f.serving &= await healthy(channel)
+
+
+def run_campaign(address: str, config: FuzzConfig, alive=None, log=print) -> Figures:
+    """Runs the campaign against the verifier at `address` (host:port, plaintext); `alive()` says
+    whether the server still runs (default: its health answers). Returns the figures."""
+    figures = Figures()
+    bystander = Bystander(address, config, figures)
+    bystander.start()
+    bystander.ready.wait(120)
+    if bystander.error is not None:
+        raise RuntimeError(f"the bystander could not start: {bystander.error!r}")
+    probe = grpc.insecure_channel(address)
+    info = pb.ModelInfo.FromString(
+        probe.unary_unary(SERVICE + "GetModelInfo")(b"", timeout=config.deadline_s)
+    )
+
+    def health() -> bool:
+        try:
+            reply = health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def internal_refusals() -> int | None:
+        try:
+            stats = pb.ServerStats.FromString(probe.unary_unary(SERVICE + "GetStats")(b"", timeout=10))
+        except grpc.RpcError:
+            return None  # not ours to read (an authenticating verifier), or gone
+        return stats.refusals.get("INTERNAL", 0)
+
+    before = internal_refusals()
+    campaign = Campaign(address, config, figures, alive or health)
+    started = time.monotonic()
+    end = started + 60 * config.minutes
+    limit = config.examples
+
+    @settings(
+        max_examples=config.batch if limit is None else limit,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(cases(info))
+    def one(case) -> None:
+        if limit is None and time.monotonic() >= end or figures.crashes:
+            return
+        campaign.run(case)
+
+    try:
+        batch = 0
+        while True:
+            seed(config.seed + batch)(one)()
+            batch += 1
+            elapsed = time.monotonic() - started
+            log(f"fuzz: {elapsed:.0f} s, {figures.sessions} sessions, {figures.messages} messages")
+            if limit is not None or time.monotonic() >= end or figures.crashes:
+                break
+    finally:
+        bystander.stop.set()
+        bystander.join(config.deadline_s * 3)
+        campaign.close()
+        figures.serving &= health()
+        after = internal_refusals()
+        figures.server_internal = None if before is None or after is None else after - before
+        probe.close()
+    figures.seconds = time.monotonic() - started
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.splitlines()[0])
+    p.add_argument("--server", help="HOST:PORT of a plaintext verifier (default: start one on the demo pair)")
+    p.add_argument("--target", type=Path, default=Path("models/demo/target"), help="target when starting one")
+    p.add_argument("--minutes", type=float, default=1.0)
+    p.add_argument("--examples", type=int, help="exactly this many cases instead of --minutes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline-s", type=float, default=30.0, help="every call's deadline")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = p.parse_args(argv)
+    config = FuzzConfig(
+        minutes=args.minutes, examples=args.examples, seed=args.seed, deadline_s=args.deadline_s
+    )
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.server:
+        figures = run_campaign(args.server, config, log=log)
+    else:
+        from tools.testkit.serverproc import ServerProcess
+
+        with ServerProcess(args.target) as server:
+            figures = run_campaign(server.address, config, alive=lambda: server.proc.poll() is None, log=log)
+            figures.serving &= server.proc.poll() is None
+    report = figures.report()
+    print(json.dumps(report, indent=1) if args.json else text(report))
+    return 0 if figures.clean else 1
+
+
+def text(r: dict) -> str:
+    statuses = ", ".join(f"{k} {v}" for k, v in r["statuses"].items())
+    lines = [
+        f"{r['seconds']} s: {r['messages']} messages, {r['sessions']} sessions, {r['calls']} calls",
+        f"{r['opened']} sessions opened, {r['verdicts']} verdicts, {r['verified']} verified (not stale)",
+        f"statuses: {statuses}",
+        f"crashes {r['crashes']}, hangs {r['hangs']}, INTERNAL {r['internal']} "
+        f"(ended with INTERNAL by the verifier: {r['server_internal']})",
+        f"bystander: {r['bystander_runs']} runs, {r['bystander_mismatches']} mismatches, "
+        f"{r['bystander_errors']} errors; SERVING throughout: {r['serving']}",
+        *(f"finding: {f}" for f in r["findings"]),
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
