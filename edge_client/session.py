@@ -205,13 +205,13 @@ class EdgeSession:
             raise VerifierError(grpc.StatusCode.INTERNAL, f"bad verdict from the verifier: {e}") from None
         except (grpc.aio.AioRpcError, VerifierError) as e:
             error = e if isinstance(e, VerifierError) else VerifierError(e.code(), e.details() or "")
-            if error.code == grpc.StatusCode.INTERNAL and not inbox.opened:
+            if error.code == grpc.StatusCode.INTERNAL and (
+                not inbox.opened or error.details == _CORE_INTERNAL
+            ):
                 await self._raise_open_refusal(request, generated)
                 # The verifier accepts this open: the bare INTERNAL was the transport failing under the
-                # first writes (a dropped connection, say), which a resume can cure.
-                error = VerifierError(
-                    grpc.StatusCode.UNAVAILABLE, f"the stream broke before the open: {error}"
-                )
+                # writes (a dropped connection or a killed verifier, say), which a resume can cure.
+                error = VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
             raise error from None
         finally:
             inbox.close()
@@ -295,6 +295,11 @@ class EdgeSession:
             await call.write(message)
         except asyncio.InvalidStateError:
             raise VerifierError(await call.code(), await call.details() or "") from None
+
+
+# What the gRPC core (not the verifier) reports when the connection breaks under a write; the
+# verifier's own INTERNAL statuses say "verifier error: ...".
+_CORE_INTERNAL = "Internal error from Core"
 
 
 def _bad_thin_verdict(verdict: Verdict, vocab_size: int) -> str | None:

@@ -1,11 +1,12 @@
 """How long a session may live on the verifier: an idle timeout, a maximum age, and the drain that
-ends the rest when the server shuts down. The servicer reads a session's messages through `messages`.
+ends the rest when the server shuts down. The servicer reads a session's messages through `messages`
+and writes its replies through `sent`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import grpc
@@ -84,3 +85,25 @@ class Lifetime:
             cut.cancel()
             if read is not None and not read.done():
                 read.cancel()
+
+    async def sent(self, write: Awaitable) -> None:
+        """Awaits `write` (a reply to the edge). Raises Ended when it is still held after the idle
+        timeout (an edge that reads no verdicts: flow control holds the write, and with it the
+        session's cache), when the session reaches its maximum age, or when the drain cuts it."""
+        write = asyncio.ensure_future(write)
+        cut = asyncio.ensure_future(self.cut.wait())
+        try:
+            wait = min(self.config.idle_timeout_s, self.age_left())
+            done, _ = await asyncio.wait({write, cut}, timeout=max(wait, 0.0), return_when="FIRST_COMPLETED")
+        finally:
+            cut.cancel()
+            if not write.done():
+                write.cancel()
+        if write not in done:
+            self.check()
+            raise Ended(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the edge read no reply for {self.config.idle_timeout_s:g} s: "
+                "the session ended and its cache was freed",
+            )
+        write.result()

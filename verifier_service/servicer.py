@@ -155,12 +155,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         committed_length=len(session.committed),
                         reused_positions=session.reused_positions,
                     )
-                    yield pb.VerifierMessage(opened=opened)
+                    await lifetime.sent(context.write(pb.VerifierMessage(opened=opened)))
                     # A thin session: the verifier decodes it to the finish on its own.
                     while session.spec.thin and session.finish is None:
                         lifetime.check()
                         verdict = await session.play(session.own_proposal())
-                        yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
+                        await lifetime.sent(
+                            context.write(pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict)))
+                        )
                 elif session.spec.thin:
                     raise InvalidRequest("a thin session takes no proposals: the verifier drafts for it")
                 elif kind != "proposal":
@@ -170,7 +172,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     stale_in_a_row = stale_in_a_row + 1 if verdict.stale else 0
                     if verdict.stale:
                         self._check_stale(stale_in_a_row, stale, loop.time())
-                    yield pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict))
+                    await lifetime.sent(
+                        context.write(pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict)))
+                    )
         except Refused as e:
             log.info("session %s not admitted: %s", key, e)
             retry_ms = max(1, round(e.retry_after_s * 1000))

@@ -1,7 +1,9 @@
 """A delaying TCP proxy on loopback: emulates network round-trip time in user space (no netem here).
 
 Every chunk read from one side is written to the other side half an RTT later, in order, so latency
-is added without capping bandwidth. `drop()` cuts every open connection, to emulate a network loss.
+is added without capping bandwidth. `drop()` cuts every open connection, to emulate a network loss;
+`stall()` holds every byte (both directions, connections stay open) until `resume()`, to emulate a
+network that stops delivering without saying so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class DelayProxy:
         self.bytes_down = 0  # upstream to client
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()  # cleared while stalled
+        self._flowing.set()
 
     @property
     def address(self) -> str:
@@ -55,6 +59,14 @@ class DelayProxy:
         for writer in list(self._writers):
             writer.transport.abort()
         self._writers.clear()
+
+    def stall(self) -> None:
+        """Holds every byte from now on, in both directions, without closing anything."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        """Delivers what was held, in order, and flows again."""
+        self._flowing.set()
 
     async def _serve(self, client_reader, client_writer) -> None:
         try:
@@ -90,6 +102,7 @@ class DelayProxy:
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
 
