@@ -2,7 +2,9 @@
 the same address, a client that disconnects mid-round, a stalled network, a client that stops reading
 verdicts. Each ends with the edge's committed tokens equal to an undisturbed run (none lost, none
 repeated) and the verifier's sessions, KV cache and RSS back where they were. A replica killed
-mid-round and a draining pool are in test_cluster.py; a dropped connection in test_netdelay.py."""
+mid-round and a draining pool are in test_cluster.py; a dropped connection in test_netdelay.py. The
+restart stands for a front restart too: `serve --ray` runs the front in the pool's process, so restarting
+the front is restarting that process on its address, which the edge sees exactly as it sees this one."""
 
 import asyncio
 import time
