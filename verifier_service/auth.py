@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -187,6 +188,14 @@ def _guarded(handler: grpc.RpcMethodHandler, admit) -> grpc.RpcMethodHandler:
             return await inner(request, context)
 
         return handler._replace(unary_unary=unary_unary)
+    if handler.stream_stream and not inspect.isasyncgenfunction(handler.stream_stream):
+        inner = handler.stream_stream  # writes its replies with context.write (the verifier's Session)
+
+        async def stream_stream_writing(request_iterator, context):
+            await admit(context)
+            return await inner(request_iterator, context)
+
+        return handler._replace(stream_stream=stream_stream_writing)
     if handler.stream_stream:
         inner = handler.stream_stream
 
