@@ -112,7 +112,12 @@ def test_a_five_turn_conversation_equals_each_turn_from_scratch(demo_server):
                 stats.first_draft_eval = evals[0]
                 out.append((prompt, generated, stats))
                 context = prompt + generated
-            server_stats = await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
+            # The last session's handler keeps its cache as it ends, just after its last verdict left.
+            stub = pb_grpc.VerifierStub(channel)
+            for _ in range(100):
+                if (server_stats := await stub.GetStats(pb.StatsRequest())).active_sessions == 0:
+                    break
+                await asyncio.sleep(0.05)
         return out, server_stats
 
     scratch = TargetEngine.load(DEMO / "target")  # keeps nothing
