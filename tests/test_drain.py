@@ -4,8 +4,6 @@ edges resume on another verifier to exactly the undisturbed output."""
 
 import asyncio
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -16,6 +14,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from tools.testkit.fakes import Paced
 from tools.testkit.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
@@ -25,18 +24,6 @@ pytestmark = pytest.mark.slow  # real servers in subprocesses
 PROMPT = (5, 60, 70, 80)
 NEW = 40
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class Paced:
-    """A drafter that takes `delay_s` per proposal: a generation lasts long enough to be drained."""
-
-    def __init__(self, inner, delay_s: float):
-        self.inner, self.delay_s, self.vocabulary = inner, delay_s, inner.vocabulary
-        self.executor = ThreadPoolExecutor(max_workers=1)
-
-    def propose(self, *args, **kwargs):
-        time.sleep(self.delay_s)
-        return self.inner.propose(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")

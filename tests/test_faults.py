@@ -8,7 +8,6 @@ the front is restarting that process on its address, which the edge sees exactly
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -18,6 +17,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, Timeouts
+from tools.testkit.fakes import Paced
 from tools.testkit.netdelay import DelayConfig, DelayProxy
 from tools.testkit.serverproc import ServerProcess
 
@@ -28,18 +28,6 @@ PROMPT = (5, 60, 70, 80)
 NEW = 40
 RSS_SLACK_MB = 100  # what a verifier's RSS may gain over a fault, once warm
 PATIENT = Timeouts()  # the edge's defaults
-
-
-class Paced:
-    """A drafter that takes `delay_s` per proposal: a generation lasts long enough to be disturbed."""
-
-    def __init__(self, inner, delay_s: float):
-        self.inner, self.delay_s, self.vocabulary = inner, delay_s, inner.vocabulary
-        self.executor = ThreadPoolExecutor(max_workers=1)
-
-    def propose(self, *args, **kwargs):
-        time.sleep(self.delay_s)
-        return self.inner.propose(*args, **kwargs)
 
 
 def serve(*extra: str) -> ServerProcess:

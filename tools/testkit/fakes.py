@@ -7,7 +7,9 @@ writes; its logits are peaked there and spread elsewhere, so sampling has someth
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from draftwire.contract import (
@@ -156,3 +158,16 @@ class MistakenDrafter:
             if draft[-1] in stop_token_ids:
                 break
         return draft
+
+
+class Paced:
+    """A real drafter that takes `delay_s` per proposal, on a thread of its own: a generation lasts long
+    enough to be drained or disturbed mid-way."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s, self.vocabulary = inner, delay_s, inner.vocabulary
+        self.executor = ThreadPoolExecutor(max_workers=1)
+
+    def propose(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        return self.inner.propose(*args, **kwargs)
