@@ -116,6 +116,24 @@ def test_the_rate_refusal_says_when_a_slot_frees():
     assert refused.value.retry_after_s == pytest.approx(30.0)
 
 
+def test_the_rate_table_forgets_clients_that_opened_nothing_for_a_minute():
+    """Each client name gets a window; a stream of one-off names (peer addresses) must not grow it forever,
+    and a client still inside its minute keeps its count."""
+    admission = Admission(AdmissionConfig(sessions_per_minute=1))
+    for n in range(1000):
+        admission.admit(f"s{n}", f"10.0.{n // 256}.{n % 256}", 0, n * 0.01)
+        admission.release(f"s{n}")
+    assert admission.rate_clients == 1000  # all within one minute
+    admission.admit("late", "steady", 0, 65.0)  # the first half has expired; the sweep drops them
+    assert admission.rate_clients == 1000 - 501 + 1
+    admission.admit("later", "other", 0, 100.0)  # no sweep yet: at most one a minute
+    assert admission.rate_clients == 1000 - 501 + 2
+    admission.admit("last", "third", 0, 126.0)
+    assert admission.rate_clients == 2  # "steady" (its open at 65 s was 61 s ago) is gone too
+    with pytest.raises(Refused):
+        admission.admit("again", "other", 0, 127.0)  # a client inside its minute keeps its count
+
+
 def test_window_counts_a_sliding_second():
     window = Window(3, 1.0)
     assert [window.allow(t) for t in (0.0, 0.1, 0.2, 0.3, 1.05, 1.1)] == [True, True, True, False, True, True]

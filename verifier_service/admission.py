@@ -52,6 +52,11 @@ class Window:
         self._times.append(now)
         return True
 
+    def empty(self, now: float) -> bool:
+        """No event in the window at `now`."""
+        self._expire(now)
+        return not self._times
+
     def wait_s(self, now: float) -> float:
         """Seconds until the window has room again."""
         self._expire(now)
@@ -71,7 +76,8 @@ class Admission:
         self.config = config
         self._held: dict[str, _Held] = {}  # session key -> what it holds
         self._per_client: collections.Counter[str] = collections.Counter()
-        self._rates: dict[str, Window] = {}
+        self._rates: dict[str, Window] = {}  # client -> its recent opens; emptied windows are dropped
+        self._next_sweep = 0.0
         self.kv_reserved = 0
 
     @property
@@ -99,6 +105,7 @@ class Admission:
                 c.retry_after_s,
             )
         if c.sessions_per_minute:
+            self._sweep(now)
             rate = self._rates.setdefault(client, Window(c.sessions_per_minute, 60.0))
             if not rate.allow(now):
                 raise Refused(
@@ -108,6 +115,20 @@ class Admission:
         self._held[key] = _Held(client, kv_bytes)
         self._per_client[client] += 1
         self.kv_reserved += kv_bytes
+
+    def _sweep(self, now: float) -> None:
+        """At most once a minute, forgets the clients with no open in the last minute: the table holds the
+        clients of one minute, not every name ever seen."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 60.0
+        for client in [c for c, window in self._rates.items() if window.empty(now)]:
+            del self._rates[client]
+
+    @property
+    def rate_clients(self) -> int:
+        """Clients whose recent opens are counted."""
+        return len(self._rates)
 
     def release(self, key: str) -> None:
         """Ends what session `key` held; a key never admitted is ignored."""
