@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -27,6 +26,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from tools.testkit.fakes import Paced
 from verifier_service.auth import Identity
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig
@@ -53,19 +53,6 @@ class LoopThread:
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-
-
-class PacedDrafter:
-    """A drafter that takes `delay_s` per proposal, like a real edge: generations last long enough to be
-    killed or drained in the middle."""
-
-    def __init__(self, inner, delay_s: float):
-        self.inner, self.delay_s, self.vocabulary = inner, delay_s, inner.vocabulary
-        self.executor = ThreadPoolExecutor(max_workers=1)  # sleeps off the event loop
-
-    def propose(self, *args, **kwargs):
-        time.sleep(self.delay_s)
-        return self.inner.propose(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +121,7 @@ def replay(engine, prompt, new_tokens, delay_s=0.0, seed=0):
     """A cheap drafter: the target's own continuation with 30% of the draft tokens corrupted."""
     script = (*prompt, *expected(engine, prompt, new_tokens))
     drafter = ReplayDrafter(script, engine.info.vocabulary, corrupt=0.3, seed=seed)
-    return PacedDrafter(drafter, delay_s) if delay_s else drafter
+    return Paced(drafter, delay_s) if delay_s else drafter
 
 
 async def run_once(channel, engine, prompt, new_tokens: int, seed: int = 0):
