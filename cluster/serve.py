@@ -46,7 +46,7 @@ async def _serve(config: PoolConfig) -> None:
         target_id = next(iter(pool.info.values())).target_id
         print(f"draftwire: serving {target_id} on {config.front.host}:{port}", flush=True)
         if config.front.metrics_port is not None:
-            front_metrics = f"http://{config.front.host}:{config.front.metrics_port}/metrics"
+            front_metrics = f"http://{config.front.metrics_host}:{config.front.metrics_port}/metrics"
             print(f"draftwire: metrics on {front_metrics}", flush=True)
         await wait_for_stop_signal()
     finally:

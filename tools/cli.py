@@ -220,7 +220,12 @@ def parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (with --ray: the pool's, from the front)",
+        help="serve Prometheus metrics on this port, path /metrics (with --ray: the pool's, from the front)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="where the metrics listen: plain HTTP, no authentication, so loopback unless you say otherwise",
     )
     _add_target_numerics(p)
     _add_limits(p)
@@ -438,6 +443,7 @@ def _serve(args) -> int:
             max_prefill_positions=args.max_prefill_positions,
         ),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
         tls=tls,
         auth=auth,
@@ -475,7 +481,7 @@ async def _serve_until_signal(engine, config) -> None:
     server, port = await start_server(engine, config)
     print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
     if config.metrics_port is not None:
-        print(f"draftwire: metrics on http://{config.host}:{config.metrics_port}/metrics", flush=True)
+        print(f"draftwire: metrics on http://{config.metrics_host}:{config.metrics_port}/metrics", flush=True)
     await wait_for_stop_signal()
     print(f"draftwire: draining (up to {config.lifetime.drain_timeout_s:g} s)", flush=True)
     await server.drain()

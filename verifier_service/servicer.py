@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import secrets
 import signal
@@ -53,7 +54,8 @@ class ServerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES  # larger messages are refused with RESOURCE_EXHAUSTED
     limits: VerifierLimits = VerifierLimits()
     batch: BatchConfig = BatchConfig()
-    metrics_port: int | None = None  # Prometheus metrics over HTTP on host:metrics_port (None: off)
+    metrics_port: int | None = None  # Prometheus metrics over HTTP on metrics_host:metrics_port (None: off)
+    metrics_host: str = "127.0.0.1"  # plain HTTP without authentication: loopback unless asked otherwise
     # Finished sessions' caches kept for the next turn of a conversation: 1 GiB for 10 minutes.
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig(budget_bytes=1 << 30, ttl_s=600.0)
     tls: TlsConfig | None = None  # None: plaintext
@@ -288,7 +290,7 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[Veri
     health_servicer = add_health_and_reflection(server)
     port = await bind_and_start(server, config.host, config.port, config.tls)
     if config.metrics_port is not None:
-        start_metrics(servicer.stats_proto, config.host, config.metrics_port)
+        start_metrics(servicer.stats_proto, config.metrics_host, config.metrics_port)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return VerifierServer(server, servicer, health_servicer), port
@@ -333,14 +335,17 @@ class _Malformed:
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
-    """A unary call whose bytes do not parse gets INVALID_ARGUMENT, where grpc would answer UNKNOWN.
-    (A Session's messages: the servicer catches the DecodeError.) Innermost: authentication comes first."""
+    """A call with one request (unary, or server streaming like health Watch) whose bytes do not parse
+    gets INVALID_ARGUMENT, where grpc would answer UNKNOWN. (A Session's messages: the servicer catches
+    the DecodeError.) Innermost: authentication comes first."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
-        parse, inner = handler.request_deserializer, handler.unary_unary
+        if handler.unary_unary is None and handler.unary_stream is None:
+            return handler
+        parse = handler.request_deserializer
         method = handler_call_details.method.rsplit("/", 1)[-1]
 
         def lenient(data: bytes):
@@ -349,14 +354,35 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             except DecodeError as e:
                 return _Malformed(e)
 
-        async def unary_unary(request, context):
+        async def refuse(request, context) -> None:
             if isinstance(request, _Malformed):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"not a {method} request: {request.error}"
                 )
-            return await inner(request, context)
 
-        return handler._replace(unary_unary=unary_unary, request_deserializer=lenient)
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                await refuse(request, context)
+                return await inner(request, context)
+
+            return handler._replace(unary_unary=unary_unary, request_deserializer=lenient)
+        inner = handler.unary_stream
+        if inspect.isasyncgenfunction(inner):
+
+            async def unary_stream(request, context):
+                await refuse(request, context)
+                async for reply in inner(request, context):
+                    yield reply
+
+        else:  # writes its replies with context.write (health Watch)
+
+            async def unary_stream(request, context):
+                await refuse(request, context)
+                return await inner(request, context)
+
+        return handler._replace(unary_stream=unary_stream, request_deserializer=lenient)
 
 
 # A connection silent for 30 s is pinged; one that does not answer in 10 s is closed with its streams.
