@@ -9,11 +9,10 @@ import pytest
 from tools.bench import capacity
 from tools.bench.prompts import heldout_prompts
 
-pytestmark = pytest.mark.slow  # a real server in a subprocess, the draft in llama.cpp
-
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
 
 
+@pytest.mark.slow  # a real server in a subprocess, the draft in llama.cpp
 def test_capacity_benchmark_figures_agree(tmp_path):
     config = capacity.CapacityConfig(
         target_dir=DEMO / "target",
@@ -55,3 +54,22 @@ def test_capacity_benchmark_figures_agree(tmp_path):
     )
     table = capacity.write_outputs(report, tmp_path)
     assert (tmp_path / "capacity.png").stat().st_size > 0 and "| 2 | (c)" in table
+
+
+def test_prompt_set_option_picks_the_code_turns():
+    """`--prompt-set code` runs the held-out code turns, rendered with the target's chat template;
+    `--arms ab` leaves the edge arm (and its draft recording) out."""
+    from tools.bench.prompts import CODE_PROMPTS, code_prompts, prompt_set
+
+    args = ["--target", str(DEMO / "target"), "--prompt-set", "code", "--prompts", "3", "--arms", "ab"]
+    config = capacity.config_from_args(capacity.parser().parse_args(args))
+    assert config.prompt_set == "code" and config.arms == "ab"
+    assert config.prompts == code_prompts(DEMO / "target", 3) == prompt_set("code", DEMO / "target")[:3]
+    assert len(prompt_set("code", DEMO / "target")) == len(CODE_PROMPTS) >= 12
+    chat = capacity.config_from_args(capacity.parser().parse_args(["--target", str(DEMO / "target")]))
+    assert chat.prompt_set == "chat" and chat.arms == "abc" and len(chat.prompts) == 24
+    assert not set(chat.prompts) & set(prompt_set("code", DEMO / "target"))
+    with pytest.raises(SystemExit):
+        capacity.parser().parse_args(["--prompt-set", "poetry"])
+    with pytest.raises(ValueError):
+        prompt_set("code", DEMO / "target", len(CODE_PROMPTS) + 1)

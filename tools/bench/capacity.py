@@ -18,6 +18,10 @@ counts prefill: the wall time runs from the opens, the positions include the pro
 keeps no finished session's cache (--prefix-cache-mb 0), so no prompt is prefilled for free.
 
     python -m tools.bench.capacity [--sessions 1,4,16,32] [--new-tokens 64] [--out docs/capacity]
+        [--prompt-set chat|code] [--arms abc]
+
+`--prompt-set code`: held-out code turns (write, complete, rewrite given code; tools.bench.prompts)
+instead of the chat turns; `--arms ab`: the thin arms alone (no draft is recorded or run).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from draftwire.contract import Drafting, SamplingParams
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.session import EdgeSession, GenerationRequest
+from tools.bench.prompts import PROMPT_SETS, prompt_set
 from tools.figures import percentile
 from tools.testkit.serverproc import ServerProcess
 
@@ -58,6 +63,8 @@ class CapacityConfig:
     window_ms: float = 10.0  # the replica's batch window
     dtype: str = "auto"  # the target's (serve --dtype)
     invariant: bool = True  # bit-exact kernels (serve's default); False: --no-bit-exact
+    arms: str = "abc"  # which arms run (see ARMS); without c no draft is recorded
+    prompt_set: str = "chat"  # what `prompts` are (tools.bench.prompts.PROMPT_SETS), for the report
 
 
 ARMS = {
@@ -164,6 +171,8 @@ async def run_wave(address: str, config: CapacityConfig, arm: str, n: int, draft
         "ttft_ms_p50": percentile(ttft, 0.5),
         "ttft_ms_p90": percentile(ttft, 0.9),
         "rounds": rounds,
+        "tokens_per_round": tokens / rounds if rounds else None,
+        "draft_tokens_per_round": drafted / rounds if rounds else None,
         "acceptance": sum(s.accepted_tokens for _, s, _ in results) / drafted if drafted else None,
         "forward_passes_per_token": batches / tokens,  # the target's batched passes
         "session_forwards_per_token": delta["engine_forwards"] / tokens,  # sessions' rows in them
@@ -232,6 +241,9 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
 
     from edge_client.drafter import DrafterConfig, LlamaDrafter
 
+    unknown = set(config.arms) - set(ARMS)
+    if unknown or not config.arms:
+        raise ValueError(f"arms {config.arms!r}: letters of {''.join(ARMS)}")
     if config.edge_cpus:
         os.sched_setaffinity(0, config.edge_cpus)  # before llama.cpp starts its threads, which inherit it
     flags = ["--threads", str(len(config.verifier_cpus) or 1), "--dtype", config.dtype]
@@ -244,7 +256,11 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         log(f"reference: {len(config.prompts)} prompts, the target alone")
         reference = await run_wave(server.address, config, "a", len(config.prompts))
         references = reference["outputs"]
-        vocabulary, tables, per_token, prefills = record_drafts(config, references, log)
+        drafting = "c" in config.arms
+        if drafting:
+            vocabulary, tables, per_token, prefills = record_drafts(config, references, log)
+        else:
+            vocabulary, tables, per_token, prefills = None, [], None, []
         replay_pool = ThreadPoolExecutor(max_workers=max(config.sessions), thread_name_prefix="replay")
 
         def live(n: int) -> list[LlamaDrafter]:
@@ -265,10 +281,12 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
                     replay_pool,
                 )
                 for i in range(n)
+                if drafting
             ]
             # Each cell: its arm and what makes its drafters for a wave.
             cells = [("a", lambda: None), ("b", lambda: None), ("c", lambda r=replayed: r)]
             cells += [("c", lambda n=n: live(n))] if n <= config.live_max else []
+            cells = [cell for cell in cells if cell[0] in config.arms]
             # The arms take turns, repeat by repeat, so that drift on a shared machine touches them alike.
             by_cell: list[list[dict]] = [[] for _ in cells]
             for _ in range(config.repeats):
@@ -289,8 +307,8 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         },
         "prompts": len(config.prompts),
         "prompt_tokens_mean": statistics.fmean(map(len, config.prompts)),
-        "draft_ms_per_token": 1000 * per_token,
-        "draft_prompt_ms_mean": 1000 * statistics.fmean(prefills),
+        "draft_ms_per_token": None if per_token is None else 1000 * per_token,
+        "draft_prompt_ms_mean": 1000 * statistics.fmean(prefills) if prefills else None,
         "rows": rows,
         "ratios": ratios(rows),
     }
@@ -308,17 +326,22 @@ def ratios(rows: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     c = report["config"]
+    drafts = (
+        f"(c) γ {c['gamma']}, pipeline {c['pipeline']}, draft {report['draft_ms_per_token']:.1f} ms a "
+        f"token, {report['draft_prompt_ms_mean']:.0f} ms a prompt"
+        if report["draft_ms_per_token"] is not None
+        else "no edge drafts"
+    )
     lines = [
-        f"{report['prompts']} prompts (mean {report['prompt_tokens_mean']:.0f} tokens), "
-        f"{c['new_tokens']} new tokens a session, greedy; (c) γ {c['gamma']}, pipeline {c['pipeline']}, "
-        f"draft {report['draft_ms_per_token']:.1f} ms a token, "
-        f"{report['draft_prompt_ms_mean']:.0f} ms a prompt; verifier on cores {c['verifier_cpus']}, "
+        f"{report['prompts']} {c.get('prompt_set', 'chat')} prompts (mean "
+        f"{report['prompt_tokens_mean']:.0f} tokens), {c['new_tokens']} new tokens a session, greedy; "
+        f"arms {c.get('arms', 'abc')}; {drafts}; verifier on cores {c['verifier_cpus']}, "
         f"edges on {c['edge_cpus']}; prefill counted everywhere",
         "",
         "| N | arm | drafts | served tok/s | × (a) | bound tok/s | session tok/s p50 | p10 | TTFT ms p50 "
         "| forward passes/tok | session forwards/tok | positions/tok | mean batch | ms/forward | ms/position "
-        "| engine busy | accept | up B/tok | down B/tok | up B/round | exact |",
-        "|" + "---|" * 21,
+        "| engine busy | tok/round | accept | up B/tok | down B/tok | up B/round | exact |",
+        "|" + "---|" * 22,
     ]
 
     def f(v, fmt=".2f"):
@@ -344,6 +367,7 @@ def markdown(report: dict) -> str:
             f(r["ms_per_forward_pass"], ".1f"),
             f(_ms_per_position(r), ".1f"),
             f"{r['engine_busy']:.0%}",
+            f(r.get("tokens_per_round")),
             f(r["acceptance"]),
             f(r["upload_bytes_per_token"], ".1f"),
             f(r["download_bytes_per_token"], ".1f"),
@@ -403,14 +427,16 @@ def write_outputs(report: dict, out_dir: Path) -> str:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from tools.models import smollm2
 
     home = smollm2.default_dir()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=home / "target", help="transformers target directory")
     ap.add_argument("--draft", type=Path, default=home / "draft-q4_1.gguf", help="the edges' GGUF draft")
-    ap.add_argument("--prompts", type=int, default=24, help="held-out chat turns (tools.bench.prompts)")
+    ap.add_argument("--prompt-set", choices=PROMPT_SETS, default="chat", help="held-out chat or code turns")
+    ap.add_argument("--prompts", type=int, default=None, help="how many of the set (default: all)")
+    ap.add_argument("--arms", default="abc", help="which arms run: letters of abc (default: all)")
     ap.add_argument("--sessions", type=_ints, default=(1, 4, 16, 32), help="N, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
@@ -423,13 +449,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-bit-exact", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("runs/capacity"))
-    args = ap.parse_args(argv)
-    from tools.bench.prompts import chat_prompts
+    return ap
 
-    config = CapacityConfig(
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    config = config_from_args(args)
+    report = asyncio.run(run_all(config, log=lambda m: print(m, flush=True)))
+    print(write_outputs(report, args.out))
+    return 0 if all(r["exact"] for r in report["rows"]) else 1
+
+
+def config_from_args(args: argparse.Namespace) -> CapacityConfig:
+    """The run the command line asks for."""
+    return CapacityConfig(
         target_dir=args.target,
         draft_gguf=args.draft,
-        prompts=chat_prompts(args.target, args.prompts),
+        prompts=prompt_set(args.prompt_set, args.target, args.prompts),
+        prompt_set=args.prompt_set,
+        arms=args.arms,
         sessions=args.sessions,
         new_tokens=args.new_tokens,
         gamma=args.gamma,
@@ -442,9 +480,6 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         invariant=not args.no_bit_exact,
     )
-    report = asyncio.run(run_all(config, log=lambda m: print(m, flush=True)))
-    print(write_outputs(report, args.out))
-    return 0 if all(r["exact"] for r in report["rows"]) else 1
 
 
 def _ints(text: str) -> tuple[int, ...]:
