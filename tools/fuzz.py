@@ -42,6 +42,7 @@ SERVICE = "/draftwire.v1.Verifier/"
 PATHS = [SERVICE + m for m in ("GetModelInfo", "GetStats", "Session", "Nope")] + [
     "/grpc.health.v1.Health/Check"
 ]
+HEALTH = "/grpc.health.v1.Health/"
 U32, U64 = 2**32 - 1, 2**64 - 1
 CLIENT_RACE = "Internal error from Core"  # what grpc's aio client says when a write meets the status
 
@@ -234,8 +235,157 @@ class State:
         self.committed = (self.committed + [0] * v.committed_length)[: v.committed_length]
 
 
+MUTATIONS = (  # what a live session's proposal can have wrong (odd but valid: unknown_field, assumed_right)
+    *("round_repeat", "round_gap", "round_zero", "round_max", "start_back", "start_ahead", "start_max"),
+    *("gamma_zero", "gamma_over", "gamma_huge", "id_vocab", "id_u32", "assumed_right", "assumed_wrong"),
+    *("assumed_over", "bytes", "cut", "unknown_field", "wire_type", "negative_round", "cancel"),
+)
+
+
+@dataclass(frozen=True)
+class Live:
+    """A proposal of a live session, built from its real state when sent: the next round, from the
+    committed length, `draft` cut to γ; or with one thing wrong (`mutation`, with `detail` choosing a
+    byte, an id or a size). `ahead`: sent before the verdict of the one before, drafted on it accepted
+    whole and `detail` as the bonus (pipelining). `replies`: the replies to read after it in lockstep."""
+
+    draft: tuple[int, ...]
+    mutation: str = ""
+    detail: int = 0
+    ahead: bool = False
+    replies: int = 1
+    limits: tuple[int, int] = field(default=(1, 1), repr=False)  # vocabulary size, max γ
+
+    def encode(self, state: State) -> bytes:
+        vocab, gamma = self.limits
+        m, d = self.mutation, self.detail
+        draft = list(self.draft[:gamma])
+        round_, start, assumed = state.round + 1, state.committed_length, []
+        if self.ahead and state.drafts:
+            pending = state.drafts[-1]
+            start += len(pending) + 1
+            assumed = [*pending, d % vocab][-(gamma + 1) :]
+        round_ = {
+            "round_repeat": state.round,
+            "round_gap": state.round + 2,
+            "round_zero": 0,
+            "round_max": U64,
+        }.get(m, round_)
+        start = {
+            "start_back": max(start - 1 - d % 4, 0),
+            "start_ahead": start + 1 + d % 4,
+            "start_max": U64,
+        }.get(m, start)
+        if m == "gamma_zero":
+            draft = []
+        elif m in ("gamma_over", "gamma_huge"):
+            draft = [draft[0]] * (gamma + 1 if m == "gamma_over" else (1000, 100_000, 600_000)[d % 3])
+        elif m in ("id_vocab", "id_u32"):
+            draft[d % len(draft)] = vocab if m == "id_vocab" else U32
+        elif m in ("assumed_right", "assumed_wrong", "assumed_over"):
+            k = gamma + 2 if m == "assumed_over" else 1 + d % (gamma + 1)
+            assumed = (state.committed + [0] * k)[-k:] if m == "assumed_over" else state.committed[-k:]
+            if m == "assumed_wrong" and assumed:
+                assumed[-1] = (assumed[-1] + 1) % vocab
+        round_ = min(round_, U64)
+        start = min(start, U64)
+        state.round = round_
+        state.drafts.append(draft)
+        p = pb.Proposal(round=round_, start_position=start, draft_token_ids=draft, assumed_token_ids=assumed)
+        data = pb.EdgeMessage(proposal=p).SerializeToString()
+        if m == "bytes":
+            data = data[: d % len(data)] + bytes([d >> 8 & 255]) + data[d % len(data) + 1 :]
+        elif m == "cut":
+            data = data[: d % len(data)]
+        elif m == "unknown_field":  # proto3 keeps it and the round stays valid
+            data += field_bytes(5 + d % 200, d)
+        elif m == "wire_type":  # the round as fixed64 where a varint belongs
+            inner = tag(1, 1) + struct.pack("<Q", round_) + field_bytes(2, start) + field_bytes(3, draft)
+            data = field_bytes(2, inner)
+        elif m == "negative_round":  # a 10-byte varint: -1 as int64, 2^64 - 1 as uint64
+            data = field_bytes(2, field_bytes(1, -1 - d % 3) + field_bytes(2, start) + field_bytes(3, draft))
+        return data
+
+
+def live_sessions(info: pb.ModelInfo):
+    """Sessions that reach deep: a valid open (ids in the vocabulary, sampling parameters at and inside
+    their limits, a few resumed ids, sometimes a thin session), then proposals that follow the session's
+    real state, some valid, some pipelined, one maybe mutated, then maybe more. Always in lockstep."""
+    vocab, gamma, context = info.vocab_size, info.max_gamma, info.max_context
+    token = st.integers(0, vocab - 1)
+    temperature = st.one_of(
+        st.just(0.0),
+        st.just(0.0),
+        st.sampled_from([5e-324, 1e-300, 1e-6, 0.7, 1.0, 2.0, 1e6, 1e308]),
+        st.floats(0.01, 4.0),
+    )
+    top_k = st.one_of(
+        st.just(0), st.sampled_from([1, 2, vocab - 1, vocab, vocab + 1, U32]), st.integers(0, vocab)
+    )
+    top_p = st.one_of(st.none(), st.sampled_from([5e-324, 1e-9, 0.5, 1.0]), st.floats(0, 1, exclude_min=True))
+
+    def open_(prompt, generated, t, k, p, seed_, max_new, stops, ignore_eos, drafting):
+        room = max(context - len(prompt) - len(generated), 1)
+        room = min(room, 24) if drafting else room  # a thin session runs to its finish: keep it short
+        sampling = pb.SamplingParams(
+            temperature=t, top_k=k, seed=seed_, **({} if p is None else {"top_p": p})
+        )
+        stop = pb.StopConditions(
+            max_new_tokens=min(max_new, room), stop_token_ids=stops, ignore_eos=ignore_eos
+        )
+        return Step(
+            pb.EdgeMessage(
+                open=pb.OpenSession(
+                    prompt_token_ids=prompt,
+                    generated_token_ids=generated,
+                    sampling=sampling,
+                    stop=stop,
+                    tokenizer_fingerprint=info.tokenizer_fingerprint,
+                    vocab_size=vocab,
+                    drafting=drafting,
+                )
+            )
+        )
+
+    opens = st.builds(
+        open_,
+        st.lists(token, min_size=1, max_size=32),
+        st.one_of(st.just([]), st.just([]), st.lists(token, max_size=6)),
+        temperature,
+        top_k,
+        top_p,
+        U64S,
+        st.one_of(st.integers(1, 24), st.integers(1, 24), st.sampled_from([1, context])),
+        st.one_of(st.just([]), st.just([]), st.lists(token, max_size=4)),
+        st.booleans(),
+        st.sampled_from([0, 0, 0, 0, 0, 0, 1, 2]),
+    )
+    drafts = st.lists(token, min_size=1, max_size=gamma).map(tuple)
+    limits = (vocab, gamma)
+    valid = st.builds(lambda d: [Live(d, limits=limits)], drafts)
+    pipelined = st.builds(
+        lambda d1, d2, bonus: [Live(d1, replies=0, limits=limits), Live(d2, "", bonus, True, 2, limits)],
+        drafts,
+        drafts,
+        token,
+    )
+    mutated = st.builds(
+        lambda d, m, detail: [Live(d, m, detail, limits=limits)],
+        drafts,
+        st.sampled_from(MUTATIONS),
+        st.integers(0, 2**16),
+    )
+    moves = st.lists(st.one_of(valid, valid, valid, pipelined), min_size=1, max_size=6)
+    later = st.one_of(st.just([]), st.just([]), mutated, st.builds(lambda o: [o], opens))  # or a second open
+    plan = st.builds(
+        lambda a, m, b: [s for move in (*a, m, *b) for s in move], moves, later, st.lists(valid, max_size=2)
+    )
+    return st.builds(lambda o, p: ("session", [o, *p], True), opens, plan)
+
+
 def cases(info: pb.ModelInfo):
-    """Every case: ("session", [Step], lockstep) or ("unary", path, bytes)."""
+    """Every case: ("session", [Step or Live], lockstep), ("unary", path, bytes) or ("health", method,
+    bytes)."""
     vocab, gamma, context = info.vocab_size, info.max_gamma, info.max_context
     prompt_sizes = (0, 1, context - 1, context, context + 1, 600_000)  # the last: over 1 MiB
     stop = st.builds(
@@ -330,7 +480,22 @@ def cases(info: pb.ModelInfo):
         st.sampled_from(PATHS),
         st.one_of(st.binary(max_size=64), mutated.map(lambda s: s.message)),
     )
-    return st.one_of(session, session, session, unary)
+    return st.one_of(session, session, live_sessions(info), live_sessions(info), unary, health_cases())
+
+
+def health_cases():
+    """Health `Check` and `Watch` with any service name (empty, unknown, non-ASCII, 100,000 characters)
+    or bytes that are no request."""
+    names = st.one_of(
+        st.sampled_from(["", "draftwire.v1.Verifier", "grpc.health.v1.Health", "x" * 100_000]),
+        st.text(max_size=64),
+    )
+    requests = st.one_of(
+        names.map(lambda n: health_pb2.HealthCheckRequest(service=n).SerializeToString()),
+        names.map(lambda n: health_pb2.HealthCheckRequest(service=n).SerializeToString()),
+        st.binary(max_size=40),
+    )
+    return st.tuples(st.just("health"), st.sampled_from(["Check", "Watch"]), requests)
 
 
 def mutate(step: Step, edits: list[tuple[int, int]], cut: int) -> Step:
@@ -397,11 +562,26 @@ class Campaign:
             f.finding("crash", case)
 
     def _deadline(self, case) -> float:
-        """A unary call answers at once: at most 5 s."""
-        return min(5.0, self.config.deadline_s) if case[0] == "unary" else self.config.deadline_s
+        """A unary call (and health's first answer) comes at once: at most 5 s."""
+        return self.config.deadline_s if case[0] == "session" else min(5.0, self.config.deadline_s)
 
     async def _case(self, case) -> grpc.StatusCode:
         self._last_details = ""
+        if case[0] == "health" and case[1] == "Watch":
+            # A stream that never ends: its first answer must come (SERVING, SERVICE_UNKNOWN) or a status.
+            call = self.channel.unary_stream(HEALTH + "Watch")(case[2], timeout=self._deadline(case))
+            self.figures.messages += 1
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError:
+                first = grpc.aio.EOF
+            if first is not grpc.aio.EOF:
+                call.cancel()
+                return grpc.StatusCode.OK
+            self._last_details = await call.details()
+            return await call.code()
+        if case[0] == "health":
+            case = ("unary", HEALTH + "Check", case[2])
         if case[0] == "unary":
             _, path, data = case
             call = self.channel.unary_unary(path)(data, timeout=self._deadline(case))
@@ -420,13 +600,17 @@ class Campaign:
         state = State()
         try:
             for step in steps:
+                if getattr(step, "mutation", "") == "cancel":
+                    call.cancel()  # the edge goes away mid-session
+                    return grpc.StatusCode.CANCELLED
                 await call.write(step.encode(state))
                 self.figures.messages += 1
-                if lockstep:
-                    reply = await call.read()
-                    if reply is grpc.aio.EOF:
-                        break
-                    self._observe(state, reply)
+                replies = [await call.read() for _ in range(getattr(step, "replies", 1) if lockstep else 0)]
+                for reply in replies:
+                    if reply is not grpc.aio.EOF:
+                        self._observe(state, reply)
+                if grpc.aio.EOF in replies:
+                    break
             await call.done_writing()
             while (reply := await call.read()) is not grpc.aio.EOF:
                 self._observe(state, reply)
