@@ -2,23 +2,33 @@
 
 The front never parses a proposal or a verdict: it relays serialized messages, so it knows nothing of
 the verification rules, and a round costs one extra loopback hop (no Ray call). A replica's status
-reaches the edge unchanged; a replica that goes away mid-stream is UNAVAILABLE, which the edge
-answers by resuming with its committed tokens (a new session, which goes to a live replica).
+reaches the edge unchanged, with its trailing metadata; a replica that goes away mid-stream is
+UNAVAILABLE, which the edge answers by resuming with its committed tokens (a new session, which goes to
+a live replica).
+
+The open is the one message the front holds on to: it goes to the least loaded live replica, and the
+edge's next messages are left unread until that replica's first reply. A replica that refuses the open
+(RESOURCE_EXHAUSTED: its caps, the client's rate or its KV budget) has then seen nothing else, so the
+front frees its slot and sends the same open to the least loaded live replica it has not tried yet; the
+edge sees the refusal only when every live replica refused, with the smallest `retry-after-ms` among
+them. This costs nothing per round: the first proposal waits one hop for the open's reply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from cluster.pool import NoReplica, Pool
-from cluster.routing import State
+from cluster.routing import State, soonest
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
 from verifier_service.servicer import (
+    RETRY_AFTER,
     SERVICE,
     STATS_DENIED,
     ServerConfig,
@@ -119,24 +129,41 @@ class Front:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no open message within {idle_s:g} s")
         if first is None:
             return
-        try:
-            slot = await self.pool.acquire()
-        except NoReplica as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        metadata = self.pool.hop_metadata(auth.caller())
-        call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
-        up = asyncio.get_running_loop().create_task(_pump(_after(first, messages), call))
-        try:
-            while (reply := await call.read()) is not grpc.aio.EOF:
-                yield reply
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.replica_failed(slot)
-            await context.abort(e.code(), e.details() or "")
-        finally:
-            up.cancel()
-            call.cancel()
-            self.pool.release(slot)
+        tried, refusals = set(), []
+        while True:
+            try:
+                slot = await self.pool.acquire(exclude=tried)
+            except NoReplica as e:
+                if refusals:  # every live replica refused: the edge hears the soonest retry
+                    await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            tried.add(slot.name)
+            metadata = self.pool.hop_metadata(auth.caller())
+            call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
+            up = None
+            try:
+                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    await call.write(first)  # a replica that ended the stream: the read says why
+                # Only the open goes before the replica's first reply: the edge's next messages wait
+                # unread, so if this replica refuses the session the next one can take it whole.
+                reply = await call.read()
+                up = asyncio.get_running_loop().create_task(_pump(messages, call))
+                while reply is not grpc.aio.EOF:
+                    yield reply
+                    reply = await call.read()
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and up is None:
+                    refusals.append(e)  # refused at the open (admission): try another replica
+                    continue
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.replica_failed(slot)
+                await _abort(context, e)
+            finally:
+                if up is not None:
+                    up.cancel()
+                call.cancel()
+                self.pool.release(slot)
 
     async def _model_info(self, request: bytes, context) -> bytes:
         try:
@@ -184,11 +211,21 @@ class Front:
             await self.pool.wait_for(lambda p, was=serving: bool(p.table.of(State.LIVE)) != was, timeout=None)
 
 
-async def _after(first, rest):
-    """`first`, then the messages of `rest`."""
-    yield first
-    async for message in rest:
-        yield message
+async def _abort(context, error: grpc.aio.AioRpcError) -> None:
+    """Ends the edge's call with a replica's status, its details and its trailing metadata
+    (`retry-after-ms` of a refusal)."""
+    await context.abort(
+        error.code(), error.details() or "", trailing_metadata=tuple(error.trailing_metadata() or ())
+    )
+
+
+def _retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
+    """The retry hint of a replica's refusal; None when it gave none."""
+    hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER)
+    try:
+        return int(hint) if hint is not None else None
+    except ValueError:
+        return None
 
 
 async def _pump(request_iterator, call) -> None:

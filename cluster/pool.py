@@ -16,6 +16,7 @@ import logging
 import secrets
 import ssl
 import tempfile
+from collections.abc import Collection
 
 import grpc
 import ray
@@ -56,17 +57,20 @@ class Pool:
 
     # --- data plane helpers (per session, never per round) ---
 
-    async def acquire(self, session: bool = True) -> Slot:
+    async def acquire(self, session: bool = True, exclude: Collection[str] = ()) -> Slot:
         """The least loaded live replica, with the session counted on it until `release`; waits while
-        none is live. `session=False` only picks (a unary call, which is not load).
+        none is live. `session=False` only picks (a unary call, which is not load). `exclude` names the
+        replicas that refused this session already: the next one is live now or not at all, no wait.
 
-        Raises NoReplica after open_timeout_s.
+        Raises NoReplica after open_timeout_s, or at once when no live replica is left outside `exclude`.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.open_timeout_s
         self._waiting += session
         try:
-            while (slot := self.table.acquire() if session else self.table.pick()) is None:
+            while (slot := self.table.acquire(exclude) if session else self.table.pick(exclude)) is None:
+                if exclude:
+                    raise NoReplica("no other live verifier replica to try")
                 if not await self._wait_change(deadline - loop.time()):
                     raise NoReplica(f"no live verifier replica within {self.config.open_timeout_s:g} s")
             return slot

@@ -1,9 +1,11 @@
-"""Where a new session goes (the least loaded live replica) and how many replicas the load calls for."""
+"""Where a new session goes (the least loaded live replica, then the next one not yet tried when a replica
+refuses it) and how many replicas the load calls for."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,18 +55,19 @@ class RoutingTable:
     def remove(self, name: str) -> None:
         self.slots.pop(name, None)
 
-    def pick(self) -> Slot | None:
-        """The least loaded live replica (the longest unpicked among equals); None when none is live."""
-        live = [s for s in self.slots.values() if s.state is State.LIVE]
+    def pick(self, exclude: Collection[str] = ()) -> Slot | None:
+        """The least loaded live replica not named in `exclude` (the longest unpicked among equals); None
+        when there is none."""
+        live = [s for s in self.slots.values() if s.state is State.LIVE and s.name not in exclude]
         if not live:
             return None
         slot = min(live, key=lambda s: (s.sessions, s.last_pick))
         slot.last_pick = next(self._picks)
         return slot
 
-    def acquire(self) -> Slot | None:
+    def acquire(self, exclude: Collection[str] = ()) -> Slot | None:
         """`pick`, with a new session counted on the replica until `release`."""
-        slot = self.pick()
+        slot = self.pick(exclude)
         if slot is not None:
             slot.sessions += 1
         return slot
@@ -78,6 +81,13 @@ class RoutingTable:
     @property
     def sessions(self) -> int:
         return sum(s.sessions for s in self.slots.values())
+
+
+def soonest(retry_hints_ms: Sequence[int | None]) -> int:
+    """Which refusal an edge gets when every live replica refused its session (their `retry-after-ms`
+    hints, None where a refusal gave none): the index of the smallest hint; a refusal without one
+    comes after every refusal with one."""
+    return min(range(len(retry_hints_ms)), key=lambda i: (retry_hints_ms[i] is None, retry_hints_ms[i] or 0))
 
 
 @dataclass

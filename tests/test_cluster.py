@@ -27,6 +27,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.testkit.fakes import Paced
+from verifier_service.admission import AdmissionConfig
 from verifier_service.auth import Identity
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig
@@ -75,8 +76,9 @@ def loop(ray_cluster):
     thread.close()
 
 
-def pool_config(test_pair, scaling: ScalingConfig) -> PoolConfig:
-    server = ServerConfig(host="127.0.0.1", port=0, limits=VerifierLimits(max_gamma=8))
+def pool_config(test_pair, scaling: ScalingConfig, admission: AdmissionConfig | None = None) -> PoolConfig:
+    limits = VerifierLimits(max_gamma=8)
+    server = ServerConfig(host="127.0.0.1", port=0, limits=limits, admission=admission or AdmissionConfig())
     return PoolConfig(
         replica=ReplicaConfig(test_pair.target_dir, server, num_cpus=0.5),
         scaling=scaling,
@@ -153,6 +155,17 @@ async def replica_stats(pool: Pool) -> dict[str, pb.ServerStats]:
 def as_the_front(pool: Pool):
     """Replicas admit only the front (the pool's secret): a test calls them as the front does."""
     return pool.hop_metadata(Identity("test", admin=True))
+
+
+async def held(channel, prompt, metadata=()):
+    """A session opened and left waiting (the call); the AioRpcError when it is refused."""
+    call = pb_grpc.VerifierStub(channel).Session(metadata=metadata)
+    await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt)))
+    try:
+        assert (await call.read()).WhichOneof("kind") == "opened"
+    except grpc.aio.AioRpcError as e:
+        return e
+    return call
 
 
 def live(n: int):
@@ -322,6 +335,56 @@ def test_a_drain_past_its_timeout_ends_the_session_and_its_edge_resumes_elsewher
     for prompt, (ids, _) in zip(PROMPTS, results, strict=False):
         assert ids == expected(engine, prompt, new_tokens)
     assert sorted(stats.resumes for _, stats in results) == [0, 1]
+
+
+def test_a_session_a_replica_refuses_is_opened_on_the_other_and_refused_when_both_do(loop, test_pair, engine):
+    """Replicas that hold two sessions at most (--max-sessions 2). One session is held through the front,
+    which counts it on replica P; two are held on the other replica, Q, past the front, so Q is full while
+    the front counts it idle. A generation's open goes to Q first (the least loaded as the front counts),
+    Q refuses it with RESOURCE_EXHAUSTED, and the front opens it on P: the target's exact tokens, no
+    resume. With P full as well, an open both refuse reaches the edge as RESOURCE_EXHAUSTED with the
+    replicas' retry-after-ms."""
+    scaling = ScalingConfig(min_replicas=2, max_replicas=2, interval_s=0.5)
+    config = pool_config(test_pair, scaling, AdmissionConfig(max_sessions=2, retry_after_s=0.25))
+    pool, front, address = loop.run(start_pool(config), timeout=180)
+    calls = []
+    try:
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(address) as channel:
+                calls.append(await held(channel, PROMPTS[1]))
+                [p] = [s for s in pool.table.slots.values() if s.sessions == 1]
+                [q] = [s for s in pool.table.slots.values() if s.sessions == 0]
+                async with grpc.aio.insecure_channel(q.address) as direct:
+                    for prompt in PROMPTS[2:4]:
+                        calls.append(await held(direct, prompt, as_the_front(pool)))
+                    before = await replica_stats(pool)
+                    ids, stats = await run_once(channel, engine, PROMPTS[0], 24)
+                    while (await replica_stats(pool))[p.name].active_sessions != 1:
+                        await asyncio.sleep(0.05)  # the generation's session has ended on P
+                    after = await replica_stats(pool)
+                    calls.append(await held(channel, PROMPTS[1]))  # refused by Q, P takes it: P is full
+                    refused = await held(channel, PROMPTS[0])
+                    return p.name, q.name, before, after, ids, stats, refused, await replica_stats(pool)
+
+        p, q, before, after, ids, stats, refused, last = loop.run(scenario(), timeout=180)
+    finally:
+        for call in calls:
+            if not isinstance(call, grpc.aio.AioRpcError):
+                call.cancel()
+        loop.run(front.stop(0))
+        loop.run(pool.close())
+    assert not any(isinstance(call, grpc.aio.AioRpcError) for call in calls)
+    assert ids == expected(engine, PROMPTS[0], 24) and stats.resumes == 0
+    assert after[q].refusals["RESOURCE_EXHAUSTED"] - before[q].refusals["RESOURCE_EXHAUSTED"] == 1
+    assert after[q].sessions_opened == before[q].sessions_opened  # refused before any work
+    assert after[p].sessions_opened - before[p].sessions_opened == 1
+    assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "maximum of 2 sessions" in refused.details()
+    assert dict(refused.trailing_metadata())["retry-after-ms"] == "250"
+    # Q refused three opens, P one: the last open was tried on both.
+    assert last[q].refusals["RESOURCE_EXHAUSTED"] - before[q].refusals["RESOURCE_EXHAUSTED"] == 3
+    assert last[p].refusals["RESOURCE_EXHAUSTED"] - before[p].refusals["RESOURCE_EXHAUSTED"] == 1
 
 
 def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engine):

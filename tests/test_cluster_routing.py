@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.config import ScalingConfig
-from cluster.routing import Autoscaler, RoutingTable, State
+from cluster.routing import Autoscaler, RoutingTable, State, soonest
 
 
 def table_with(*states: State) -> RoutingTable:
@@ -52,6 +52,39 @@ def test_a_draining_replica_keeps_its_sessions_and_a_death_does_not_undrain_it()
     table.down(first.name)
     assert first.state is State.DRAINING and first.sessions == 1
     assert table.sessions == 1
+
+
+def test_a_session_refused_by_a_replica_goes_to_the_next_one_not_yet_tried():
+    table = table_with(State.LIVE, State.LIVE, State.LIVE)
+    table.acquire()  # r0: one session; r1 and r2 are the least loaded
+    tried = set()
+    for expected in ("r1", "r2", "r0"):  # the least loaded of the others each time, the busy one last
+        slot = table.acquire(exclude=tried)
+        assert slot.name == expected
+        table.release(slot)  # it refused: the session is not counted there
+        tried.add(slot.name)
+    assert table.acquire(exclude=tried) is None  # every live replica refused
+    assert [s.sessions for s in table.slots.values()] == [1, 0, 0]
+
+
+def test_exclusion_never_makes_a_replica_that_is_not_live_routable():
+    table = table_with(State.LIVE, State.DRAINING, State.DOWN, State.STARTING)
+    assert table.acquire(exclude={"r0"}) is None
+    assert table.pick(exclude={"r1"}).name == "r0"
+
+
+@pytest.mark.parametrize(
+    "hints, expected",
+    [
+        ([1000], 0),
+        ([1000, 250, 4000], 1),  # the smallest hint
+        ([None, 3000], 1),  # a refusal without a hint comes after any with one
+        ([None, None], 0),
+        ([500, 500], 0),  # equal hints: the first replica's
+    ],
+)
+def test_an_edge_that_every_replica_refused_gets_the_soonest_retry(hints, expected):
+    assert soonest(hints) == expected
 
 
 SCALING = ScalingConfig(min_replicas=1, max_replicas=4, target_sessions_per_replica=2, downscale_delay_s=10)
