@@ -44,6 +44,14 @@ def test_capacity_benchmark_figures_agree(tmp_path):
         # Prefill counted, no cache kept: all but the last prompt token (the first round computes that one).
         assert r["prefill_positions"] == r["sessions"] * 31
         assert r["bound_tokens_per_s"] >= r["served_tokens_per_s"]
+    for r in rows:
+        if r["arm"] == "b":  # the offline replay of prompt lookup counts what the server counted
+            replay = r["ngram_replay"]
+            assert replay["rounds"] == r["rounds"] and replay["tokens"] == r["tokens"]
+            assert replay["acceptance"] == r["acceptance"]
+            round_positions = r["positions_per_token"] * r["tokens"] - r["prefill_positions"]
+            assert replay["round_positions"] == pytest.approx(round_positions)
+    assert len(report["ngram_by_prompt"]) == len(report["references"]) == len(config.prompts)
     for n in (1, 2):
         a, b, c = (next(r for r in rows if r["sessions"] == n and r["arm"] == arm) for arm in "abc")
         assert a["session_forwards_per_token"] > c["session_forwards_per_token"]

@@ -256,6 +256,9 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         log(f"reference: {len(config.prompts)} prompts, the target alone")
         reference = await run_wave(server.address, config, "a", len(config.prompts))
         references = reference["outputs"]
+        ngram = [
+            ngram_replay(p, out, config.gamma + 1) for p, out in zip(config.prompts, references, strict=True)
+        ]
         drafting = "c" in config.arms
         if drafting:
             vocabulary, tables, per_token, prefills = record_drafts(config, references, log)
@@ -298,6 +301,8 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
                 row["exact"] = row.pop("outputs") == expected
                 for w in waves:
                     row["exact"] &= w["outputs"] == expected
+                if row["arm"] == "b":  # what prompt lookup does on these outputs, replayed offline
+                    row["ngram_replay"] = ngram_totals([ngram[i % len(ngram)] for i in range(n)])
                 log(json.dumps(row))  # a run cut short keeps what it measured
                 rows.append(row)
         replay_pool.shutdown()
@@ -311,6 +316,54 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
         "draft_prompt_ms_mean": 1000 * statistics.fmean(prefills) if prefills else None,
         "rows": rows,
         "ratios": ratios(rows),
+        # Per prompt: the target's greedy output, and arm (b)'s prompt lookup on it, replayed offline.
+        "references": references,
+        "ngram_by_prompt": ngram,
+    }
+
+
+def ngram_replay(prompt, output, max_gamma: int) -> dict:
+    """What a thin NGRAM session does on a greedy session whose output is `output`, the verifier's rounds
+    replayed without the target (its tokens are known): the verifier's draft (draftwire/ngram.py, at most
+    NGRAM_GAMMA and max_gamma tokens, none past the budget), the target's tokens, one round each. Greedy
+    and EOS ignored, as in the bench, so it counts what the server counts."""
+    from draftwire.ngram import ngram_draft
+    from verifier_service.session import NGRAM_GAMMA
+
+    committed, output = list(prompt), list(output)
+    rounds = drafts = draft_tokens = accepted_tokens = positions = 0
+    while (done := len(committed) - len(prompt)) < len(output):
+        budget = len(output) - done
+        draft = ngram_draft(committed, min(NGRAM_GAMMA, max_gamma))[: budget - 1]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+            accepted += 1
+        committed += output[done : done + accepted + 1]
+        rounds, positions = rounds + 1, positions + len(draft) + 1
+        if draft:
+            drafts, draft_tokens, accepted_tokens = (
+                drafts + 1,
+                draft_tokens + len(draft),
+                accepted_tokens + accepted,
+            )
+    return {
+        "tokens": len(output),
+        "rounds": rounds,
+        "drafts": drafts,  # rounds with a draft (the last n-gram occurred before)
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted_tokens,
+        "round_positions": positions,
+    }
+
+
+def ngram_totals(replays: list[dict]) -> dict:
+    """Sums of ngram_replay figures, with the acceptance, tokens per round and positions per token."""
+    total = {k: sum(r[k] for r in replays) for k in replays[0]}
+    return {
+        **total,
+        "acceptance": total["accepted_tokens"] / total["draft_tokens"] if total["draft_tokens"] else None,
+        "tokens_per_round": total["tokens"] / total["rounds"],
+        "round_positions_per_token": total["round_positions"] / total["tokens"],
     }
 
 

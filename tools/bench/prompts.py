@@ -93,6 +93,10 @@ CODE_PROMPTS = (
     "WHERE orders.total > 50;\n```",
 )
 
+# The kind of each code prompt, in order.
+CODE_PROMPT_KINDS = ("write",) * 5 + ("complete",) * 3 + ("rewrite",) * 8
+assert len(CODE_PROMPT_KINDS) == len(CODE_PROMPTS)
+
 PROMPT_SETS = ("chat", "code")
 
 
