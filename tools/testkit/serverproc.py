@@ -133,6 +133,7 @@ def _wait_for(server: ServerProcess, pattern: str, timeout: float) -> str:
             if m:
                 return m.group(1)
         if server.proc.poll() is not None:
+            seen.extend(server.proc.stdout)  # what it printed last: often why it exited
             break
     server.stop()
     raise RuntimeError("did not start:\n" + "".join(seen))
