@@ -108,7 +108,7 @@ class Front:
             def snapshot() -> pb.ServerStats:  # on the metrics server's thread
                 return asyncio.run_coroutine_threadsafe(self._stats(pb.StatsRequest(), None), loop).result(15)
 
-            start_metrics(snapshot, self.config.host, self.config.metrics_port)
+            start_metrics(snapshot, self.config.metrics_host, self.config.metrics_port)
         self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
         return port
 
