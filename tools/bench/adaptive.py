@@ -4,15 +4,16 @@ app) against every fixed (γ, depth) of a grid, at each RTT and sampling mode, i
 It reuses `draftwire bench`'s machinery (tools/bench/speed.py): the same prompts, the verifier as a
 `draftwire serve` child, the delaying proxy for the RTT, the two-device pinning, and the target alone
 (arm a, in a child on the verifier's cores) as the reference every output must equal. A point is one
-(RTT, mode); at each, the adaptive row (one tuner learning across the point's prompts, as in a chat)
-is compared with the best fixed setting there, and over the whole set with every fixed setting (the sum
-of tokens/s and their geometric mean).
+(RTT, mode); its rows take turns prompt by prompt (tools.bench.speed.RowRun). At each, the adaptive row
+(one tuner learning across the point's prompts, as in a chat) is compared with the best fixed setting
+there, and over the whole set with every fixed setting (the sum of tokens/s and their geometric mean).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -21,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge_client.drafter import DrafterConfig, LlamaDrafter
-from tools.bench.speed import BenchConfig, Row, _route, run_draftwire
+from tools.bench.speed import BenchConfig, Row, RowRun, _route
 from tools.testkit.serverproc import ServerProcess
 
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
@@ -39,22 +40,34 @@ async def run_all(config: BenchConfig, log=print) -> dict:
     flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(threads), "--dtype", config.dtype]
     flags += [] if config.invariant else ["--no-bit-exact"]
     rows: list[Row] = []
+    settings = [(None, None)] + [(g, d) for g in config.gammas for d in config.pipelines]
     with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
         host, port = server.address.rsplit(":", 1)
         for rtt in config.rtts_ms:
             async with _route(host, int(port), rtt) as address:
                 for mode in reference:
-                    settings = [(None, None)] + [(g, d) for g in config.gammas for d in config.pipelines]
-                    for gamma, depth in settings:
-                        name = "adaptive" if gamma is None else f"gamma {gamma}, pipelined {depth}"
-                        log(f"{rtt:g} ms RTT, {mode}: {name}")
-                        rows.append(
-                            await run_draftwire(
-                                config, drafter, address, server.address, mode, gamma, rtt, depth
-                            )
-                        )
-                        rows[-1].pipeline = -1 if depth is None else depth  # -1: the adaptive row
+                    log(f"{rtt:g} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings")
+                    rows += await _interleaved(config, drafter, address, server.address, mode, rtt, settings)
     return summarize(config, reference, rows)
+
+
+async def _interleaved(config, drafter, address, upstream, mode, rtt, settings) -> list[Row]:
+    """One point's rows, taking turns prompt by prompt: each setting keeps its own edge session (the
+    adaptive one its tuner) across the prompts, and the order rotates from prompt to prompt, so a burst
+    of load falls on every setting alike and none always runs first."""
+    async with contextlib.AsyncExitStack() as stack:
+        runs = [
+            await stack.enter_async_context(RowRun(config, drafter, address, upstream, mode, g, rtt, d))
+            for g, d in settings
+        ]
+        for i in range(len(config.prompts)):
+            turn = i % len(runs)
+            for run in runs[turn:] + runs[:turn]:
+                await run.prompt(i)
+        rows = [run.row() for run in runs]
+    for row, (_, depth) in zip(rows, settings, strict=True):
+        row.pipeline = -1 if depth is None else depth  # -1: the adaptive row
+    return rows
 
 
 def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -> dict:

@@ -119,51 +119,83 @@ async def run_draftwire(
     rtt_ms: float,
     pipeline: int | None = 0,
 ) -> Row:
-    """`gamma` or `pipeline` None: chosen online (edge_client.adaptive), the row's figure 0; one tuner
-    learns across the row's prompts, as in a chat or the edge app."""
-    arm = "d" if rtt_ms else "c"
-    label = f"draftwire, {rtt_ms:g} ms RTT" if rtt_ms else "draftwire, loopback"
-    if pipeline:
-        label += f", pipelined {pipeline}"
-    row = Row(arm, label, mode, gamma or 0, rtt_ms, pipeline or 0)
-    all_stats: list[GenerationStats] = []
-    async with grpc.aio.insecure_channel(upstream) as stats_channel:
-        stats_stub = pb_grpc.VerifierStub(stats_channel)
-        before = await stats_stub.GetStats(pb.StatsRequest())
-        async with grpc.aio.insecure_channel(address) as channel:
-            session = EdgeSession(channel, drafter)
-            await session.model_info()
-            for i, prompt in enumerate(config.prompts):
-                request = GenerationRequest(
-                    prompt,
-                    params_for(mode, config, i),
-                    config.max_new_tokens,
-                    gamma,
-                    ignore_eos=True,
-                    pipeline=pipeline,
-                )
-                ids, stats = await session.run(request)
-                row.outputs.append(ids)
-                all_stats.append(stats)
-            if gamma is None or pipeline is None:
-                (g, d), moves = session.tuner.choice, session.tuner.moves
-                row.label += f", adaptive (ended at γ {g}, depth {d}; {moves} moves)"
-        after = await stats_stub.GetStats(pb.StatsRequest())
-    rounds = sum(s.rounds for s in all_stats)
-    row.tokens = sum(map(len, row.outputs))
-    row.wall_s = sum(s.wall_s for s in all_stats)
-    row.acceptance = sum(s.accepted_tokens for s in all_stats) / sum(s.draft_tokens for s in all_stats)
-    row.tokens_per_round = row.tokens / rounds
-    row.expected_tokens_per_round = expected_tokens_per_round(row.acceptance, gamma) if gamma else None
-    row.target_positions_per_token = (after.round_positions - before.round_positions) / row.tokens
-    row.bytes_per_token = sum(s.wire_bytes for s in all_stats) / row.tokens
-    round_ms = [1000 * t for s in all_stats for t in s.round_s]
-    row.round_ms_p50, row.round_ms_p99 = percentile(round_ms, 0.5), percentile(round_ms, 0.99)
-    row.draft_ms_per_round = 1000 * sum(s.draft_s for s in all_stats) / rounds
-    row.verify_ms_per_round = 1000 * (after.engine_seconds - before.engine_seconds) / rounds
-    row.wire_ms_per_round = statistics.fmean(round_ms) - row.verify_ms_per_round
-    row.stale_per_round = sum(s.stale_rounds for s in all_stats) / rounds
-    return row
+    """A row: every prompt of `config` through one edge session. `gamma` or `pipeline` None: chosen
+    online (edge_client.adaptive), the row's figure 0; one tuner learns across the row's prompts, as in a
+    chat or the edge app."""
+    async with RowRun(config, drafter, address, upstream, mode, gamma, rtt_ms, pipeline) as run:
+        for i in range(len(config.prompts)):
+            await run.prompt(i)
+    return run.row()
+
+
+class RowRun:
+    """One setting's edge session, run a prompt at a time, so that rows can take turns prompt by prompt
+    (a burst of someone else's load then falls on every row alike); `row()` sums what its prompts did.
+    The verifier's counters are read around each prompt, so other rows' work between them is not
+    counted."""
+
+    def __init__(self, config, drafter, address, upstream, mode, gamma, rtt_ms, pipeline=0):
+        self.config, self.drafter, self.address, self.upstream = config, drafter, address, upstream
+        self.mode, self.gamma, self.pipeline = mode, gamma, pipeline
+        arm = "d" if rtt_ms else "c"
+        label = f"draftwire, {rtt_ms:g} ms RTT" if rtt_ms else "draftwire, loopback"
+        if pipeline:
+            label += f", pipelined {pipeline}"
+        self._row = Row(arm, label, mode, gamma or 0, rtt_ms, pipeline or 0)
+        self._stats: list[GenerationStats] = []
+        self._positions = 0
+        self._engine_s = 0.0
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> RowRun:
+        stats_channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.upstream))
+        self._server = pb_grpc.VerifierStub(stats_channel)
+        channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.address))
+        self.session = EdgeSession(channel, self.drafter)
+        await self.session.model_info()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stack.aclose()
+
+    async def prompt(self, i: int) -> None:
+        """Runs prompt `i` of the config (with its sampling) through the session."""
+        request = GenerationRequest(
+            self.config.prompts[i],
+            params_for(self.mode, self.config, i),
+            self.config.max_new_tokens,
+            self.gamma,
+            ignore_eos=True,
+            pipeline=self.pipeline,
+        )
+        before = await self._server.GetStats(pb.StatsRequest())
+        ids, stats = await self.session.run(request)
+        after = await self._server.GetStats(pb.StatsRequest())
+        self._row.outputs.append(ids)
+        self._stats.append(stats)
+        self._positions += after.round_positions - before.round_positions
+        self._engine_s += after.engine_seconds - before.engine_seconds
+
+    def row(self) -> Row:
+        row, all_stats, gamma = self._row, self._stats, self.gamma
+        if gamma is None or self.pipeline is None:
+            (g, d), moves = self.session.tuner.choice, self.session.tuner.moves
+            row.label += f", adaptive (ended at γ {g}, depth {d}; {moves} moves)"
+        rounds = sum(s.rounds for s in all_stats)
+        row.tokens = sum(map(len, row.outputs))
+        row.wall_s = sum(s.wall_s for s in all_stats)
+        row.acceptance = sum(s.accepted_tokens for s in all_stats) / sum(s.draft_tokens for s in all_stats)
+        row.tokens_per_round = row.tokens / rounds
+        row.expected_tokens_per_round = expected_tokens_per_round(row.acceptance, gamma) if gamma else None
+        row.target_positions_per_token = self._positions / row.tokens
+        row.bytes_per_token = sum(s.wire_bytes for s in all_stats) / row.tokens
+        round_ms = [1000 * t for s in all_stats for t in s.round_s]
+        row.round_ms_p50, row.round_ms_p99 = percentile(round_ms, 0.5), percentile(round_ms, 0.99)
+        row.draft_ms_per_round = 1000 * sum(s.draft_s for s in all_stats) / rounds
+        row.verify_ms_per_round = 1000 * self._engine_s / rounds
+        row.wire_ms_per_round = statistics.fmean(round_ms) - row.verify_ms_per_round
+        row.stale_per_round = sum(s.stale_rounds for s in all_stats) / rounds
+        return row
 
 
 @contextlib.asynccontextmanager
