@@ -81,3 +81,20 @@ def test_prompt_set_option_picks_the_code_turns():
         capacity.parser().parse_args(["--prompt-set", "poetry"])
     with pytest.raises(ValueError):
         prompt_set("code", DEMO / "target", len(CODE_PROMPTS) + 1)
+
+
+def test_ngram_replay_counts_the_verifiers_rounds():
+    """Prompt lookup replayed on a known output: the draft after (5, 6) is what followed the earlier
+    (5, 6), cut to the budget; the target's token ends each round."""
+    replay = capacity.ngram_replay((5, 6, 7, 8, 5, 6), (7, 8, 9, 9), max_gamma=5)
+    # Round 1: draft (7, 8, 5) (budget 4), two accepted, then the target's 9; round 2: no room to draft.
+    assert replay == {
+        "tokens": 4,
+        "rounds": 2,
+        "drafts": 1,
+        "draft_tokens": 3,
+        "accepted_tokens": 2,
+        "round_positions": 5,
+    }
+    totals = capacity.ngram_totals([replay, replay])
+    assert totals["acceptance"] == 2 / 3 and totals["tokens_per_round"] == 2.0

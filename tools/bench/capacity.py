@@ -356,6 +356,42 @@ def ngram_replay(prompt, output, max_gamma: int) -> dict:
     }
 
 
+def ngram_breakdown(report: dict, prompts, eos_ids, kinds=None) -> list[dict]:
+    """Arm (b)'s prompt lookup replayed on a report's reference outputs, by prompt kind (`kinds[i]`, or
+    one kind for all): on the whole outputs (what the bench ran: EOS ignored, `new_tokens` each) and on
+    the answers alone (each output up to and including its first id in `eos_ids`)."""
+    gamma = report["config"]["gamma"] + 1  # the bench's verifier runs with --max-gamma γ + 1
+    kinds = kinds or [report["config"].get("prompt_set", "all")] * len(prompts)
+    groups: dict[str, list[tuple]] = {}
+    for kind, prompt, output in zip(kinds, prompts, report["references"], strict=True):
+        cut = next((i + 1 for i, t in enumerate(output) if t in eos_ids), len(output))
+        groups.setdefault(kind, []).append((prompt, output, output[:cut]))
+    if len(groups) > 1:
+        groups["all"] = [g for group in list(groups.values()) for g in group]
+    rows = []
+    for kind, group in groups.items():
+        for what, index in (("whole output", 1), ("answer", 2)):
+            totals = ngram_totals([ngram_replay(g[0], g[index], gamma) for g in group])
+            rows.append({"kind": kind, "prompts": len(group), "part": what, **totals})
+    return rows
+
+
+def ngram_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| prompts | n | part | tokens | rounds | rounds with a draft | draft tokens | accepted | acceptance "
+        "| tokens/round | round positions/token |",
+        "|" + "---|" * 11,
+    ]
+    for r in rows:
+        acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        lines.append(
+            f"| {r['kind']} | {r['prompts']} | {r['part']} | {r['tokens']} | {r['rounds']} | {r['drafts']} "
+            f"| {r['draft_tokens']} | {r['accepted_tokens']} | {acceptance} | {r['tokens_per_round']:.2f} "
+            f"| {r['round_positions_per_token']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def ngram_totals(replays: list[dict]) -> dict:
     """Sums of ngram_replay figures, with the acceptance, tokens per round and positions per token."""
     total = {k: sum(r[k] for r in replays) for k in replays[0]}
@@ -502,15 +538,46 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-bit-exact", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("runs/capacity"))
+    ap.add_argument(
+        "--ngram-from",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: replay arm (b)'s prompt lookup on that report's outputs, by prompt kind",
+    )
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.ngram_from:
+        print(ngram_markdown(_ngram_from(args.ngram_from, args.target)))
+        return 0
     config = config_from_args(args)
     report = asyncio.run(run_all(config, log=lambda m: print(m, flush=True)))
     print(write_outputs(report, args.out))
     return 0 if all(r["exact"] for r in report["rows"]) else 1
+
+
+def _ngram_from(path: Path, target: Path) -> list[dict]:
+    """ngram_breakdown of a written report, its prompts rebuilt from its prompt set with `target`'s
+    tokenizer; the answer ends at the target's EOS ids (its config's and its tokenizer's)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tools.bench.prompts import CODE_PROMPT_KINDS
+
+    report = json.loads(path.read_text())
+    name = report["config"].get("prompt_set", "chat")
+    prompts = prompt_set(name, target, report["prompts"])
+    eos = AutoConfig.from_pretrained(target).eos_token_id
+    eos_ids = {
+        *(eos if isinstance(eos, list | tuple) else [eos]),
+        AutoTokenizer.from_pretrained(target).eos_token_id,
+    }
+    rows = ngram_breakdown(report, prompts, eos_ids - {None}, CODE_PROMPT_KINDS if name == "code" else None)
+    whole = next(r for r in rows if r["kind"] in ("all", name) and r["part"] == "whole output")
+    if whole["accepted_tokens"] != sum(g["accepted_tokens"] for g in report["ngram_by_prompt"]):
+        raise ValueError(f"{path}: its outputs replay differently from what it recorded")
+    return rows
 
 
 def config_from_args(args: argparse.Namespace) -> CapacityConfig:
