@@ -12,7 +12,9 @@ Bounded: `worst_case` raises the fields of a proposal message the edge built to 
 contract lets them take (round and start position 2^64 - 1, every id 2^32 - 1, and for the contract as
 the verifier checks it, max_gamma + 1 assumed ids) and sizes it the same way.
 
-    python -m tools.bench.upload [--prompts 8] [--new-tokens 64] [--gamma 8] [--out runs/upload]
+    python -m tools.bench.upload [--prompt-set chat|code] [--prompts 8] [--gamma 8] [--out runs/upload]
+
+writes upload-SET.md (the table) and upload-SET.json to --out.
 """
 
 from __future__ import annotations
@@ -232,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     report["prompt_set"] = args.prompt_set
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "upload.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"upload-{args.prompt_set}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (args.out / "upload.md").write_text(table + "\n")
+    (args.out / f"upload-{args.prompt_set}.md").write_text(table + "\n")
     print(table)
     return 0 if max(report["edge_worst_frame"], report["contract_worst_frame"]) <= BUDGET else 1
 
