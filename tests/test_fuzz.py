@@ -6,7 +6,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from draftwire.v1 import draftwire_pb2 as pb
-from tools.fuzz import FuzzConfig, run_campaign
+from tools.fuzz import FuzzConfig, run_campaign, start_secured
 from tools.testkit.serverproc import ServerProcess
 
 pytestmark = pytest.mark.slow  # a real server in a subprocess
@@ -31,13 +31,47 @@ def test_a_seeded_campaign_finds_no_crash_hang_or_internal(fuzzed):
     report = figures.report()
     assert figures.sessions > 100 and figures.messages > 200, report
     # Deep: the live cases open valid sessions and follow their state. In a fresh clone (no example
-    # database), seeds 1 to 4 and 15 opened 107 to 163 sessions and verified 429 to 771 rounds.
+    # database), seeds 1 to 4 and 15 opened 114 to 159 sessions and verified 442 to 1,009 rounds.
     assert figures.opened >= 50 and figures.verified >= 150, report
     assert figures.crashes == 0 and figures.hangs == 0, report
     assert figures.internal == 0 and figures.server_internal == 0, report
     assert figures.bystander_runs > 0 and figures.bystander_mismatches == 0, report
     assert figures.bystander_errors == 0 and figures.serving, report
     assert fuzzed.healthy()
+
+
+@pytest.fixture(scope="module")
+def secured(test_pair, tmp_path_factory):
+    server, secured = start_secured(
+        test_pair.target_dir, tmp_path_factory.mktemp("secured"), "--max-gamma", "8"
+    )
+    with server:
+        yield server, secured
+
+
+def test_a_seeded_campaign_with_tls_and_tokens_lets_in_only_known_tokens(secured):
+    """Fuzzed `authorization` metadata (random, empty, oversize, near-miss tokens, other schemes, repeated
+    headers, a front's headers) is refused with UNAUTHENTICATED (past gRPC's 16 KiB metadata limit,
+    RESOURCE_EXHAUSTED), a known token's calls work, and the rest of the campaign runs behind the token."""
+    server, how = secured
+    figures = run_campaign(
+        server.address,
+        FuzzConfig(examples=200, seed=15, deadline_s=20.0, bystander_tokens=16),
+        alive=lambda: server.proc.poll() is None,
+        log=lambda _: None,
+        secured=how,
+    )
+    report = figures.report()
+    # Fresh HOME, seeds 1 to 4 and 15: 101 to 140 auth cases, 70 to 93 refused, 23 to 35 admitted, 45 to
+    # 80 UNAUTHENTICATED statuses, 61 to 74 sessions opened.
+    assert figures.auth_cases >= 60 and figures.auth_refused >= 35 and figures.auth_admitted >= 12, report
+    assert figures.auth_wrong == 0, report
+    assert figures.statuses["UNAUTHENTICATED"] >= 20 and figures.opened >= 30, report
+    assert figures.crashes == 0 and figures.hangs == 0, report
+    assert figures.internal == 0 and figures.server_internal == 0, report
+    assert figures.bystander_runs > 0 and figures.bystander_mismatches == 0, report
+    assert figures.bystander_errors == 0 and figures.serving, report
+    assert server.healthy()
 
 
 def test_bytes_that_are_no_edge_message_are_invalid_argument(fuzzed):

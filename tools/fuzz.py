@@ -19,8 +19,10 @@ import asyncio
 import collections
 import json
 import math
+import secrets
 import struct
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,6 +74,10 @@ class Figures:
     server_internal: int | None = None  # sessions the verifier ended with INTERNAL (GetStats refusals)
     findings: list[str] = field(default_factory=list)  # the first few cases behind a crash, hang, INTERNAL
     harness_errors: int = 0  # cases the fuzzer itself failed to send (its bug, not the verifier's)
+    auth_cases: int = 0  # calls with fuzzed `authorization` metadata (the secured mode)
+    auth_refused: int = 0  # of them, refused with UNAUTHENTICATED as they had to be
+    auth_admitted: int = 0  # of them, a valid token's call that worked as it had to
+    auth_wrong: int = 0  # of them, anything else: a bad token let in, a good one refused, another status
     bystander_runs: int = 0
     bystander_mismatches: int = 0
     bystander_errors: int = 0  # failed runs or resumes of the bystander
@@ -85,7 +91,12 @@ class Figures:
     @property
     def clean(self) -> bool:
         faults = (
-            self.crashes or self.hangs or self.internal or self.server_internal or self.bystander_mismatches
+            self.crashes
+            or self.hangs
+            or self.internal
+            or self.server_internal
+            or self.bystander_mismatches
+            or self.auth_wrong
         )
         return not (faults or self.harness_errors) and (
             self.serving and self.bystander_runs > 0 and not self.bystander_errors
@@ -106,6 +117,12 @@ class Figures:
             "internal": self.internal,
             "server_internal": self.server_internal,
             "harness_errors": self.harness_errors,
+            "auth": {
+                "cases": self.auth_cases,
+                "refused": self.auth_refused,
+                "admitted": self.auth_admitted,
+                "wrong": self.auth_wrong,
+            },
             "bystander_runs": self.bystander_runs,
             "bystander_mismatches": self.bystander_mismatches,
             "bystander_errors": self.bystander_errors,
@@ -325,14 +342,13 @@ def live_sessions(info: pb.ModelInfo):
     top_p = st.one_of(st.none(), st.sampled_from([5e-324, 1e-9, 0.5, 1.0]), st.floats(0, 1, exclude_min=True))
 
     def open_(prompt, generated, t, k, p, seed_, max_new, stops, ignore_eos, drafting):
-        room = max(context - len(prompt) - len(generated), 1)
-        room = min(room, 24) if drafting else room  # a thin session runs to its finish: keep it short
+        # Resumed ids count towards max_new_tokens, and the prompt plus max_new_tokens fit the context.
+        new = min(max_new, 24) if drafting else max_new  # a thin session runs to its finish: keep it short
+        max_new = max(min(len(generated) + new, context - len(prompt)), 1)
         sampling = pb.SamplingParams(
             temperature=t, top_k=k, seed=seed_, **({} if p is None else {"top_p": p})
         )
-        stop = pb.StopConditions(
-            max_new_tokens=min(max_new, room), stop_token_ids=stops, ignore_eos=ignore_eos
-        )
+        stop = pb.StopConditions(max_new_tokens=max_new, stop_token_ids=stops, ignore_eos=ignore_eos)
         return Step(
             pb.EdgeMessage(
                 open=pb.OpenSession(
@@ -498,6 +514,115 @@ def health_cases():
     return st.tuples(st.just("health"), st.sampled_from(["Check", "Watch"]), requests)
 
 
+@dataclass(frozen=True)
+class Secured:
+    """A verifier with TLS and tokens: the CA its certificate chains to, a client's token (the bystander's
+    and the fuzzed sessions') and an admin's token (GetStats)."""
+
+    ca: bytes
+    token: str
+    admin_token: str
+
+    def credentials(self, token: str | None = None) -> wire.ClientCredentials:
+        return wire.ClientCredentials(tls=True, ca=self.ca, token=token or self.token)
+
+    def admits(self, metadata) -> tuple[bool, bool]:
+        """(admitted, admin) as the verifier must decide: by the last `authorization` value."""
+        values = [v for k, v in metadata if k == "authorization"]
+        last = values[-1] if values else ""
+        return last in (
+            f"Bearer {self.token}",
+            f"Bearer {self.admin_token}",
+        ), last == f"Bearer {self.admin_token}"
+
+
+def auth_cases(info: pb.ModelInfo, secured: Secured):
+    """("auth", path, metadata, payload, valid): a call with fuzzed `authorization` metadata (random,
+    empty, oversize, non-ASCII and near-miss tokens, other schemes, repeated headers, a pool front's
+    headers) and a valid request or bytes; only the exact `Bearer T` of a known token may get in."""
+    t = secured.token
+    printable = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+    near = st.one_of(
+        st.builds(lambda i: t[:i] + t[i + 1 :], st.integers(0, len(t) - 1)),
+        st.builds(lambda i, c: t[:i] + c + t[i + 1 :], st.integers(0, len(t) - 1), printable),
+        st.sampled_from([t + "x", t[:-1], t.upper(), " " + t, t + " ", t + t, t[::-1]]),
+    )
+    tokens = st.one_of(
+        near,
+        near,
+        st.text(printable, max_size=64),
+        st.just(""),
+        st.sampled_from([1_000, 8_000, 9_000, 17_000, 100_000]).map(lambda n: "a" * n),
+        st.text(st.characters(min_codepoint=0x80), min_size=1, max_size=16),
+        st.sampled_from([t, secured.admin_token]),
+    )
+    values = st.one_of(
+        tokens.map(lambda x: "Bearer " + x),
+        tokens.map(lambda x: "Bearer " + x),
+        st.builds(
+            lambda scheme, x: scheme + x,
+            st.sampled_from(["bearer ", "Bearer  ", "Basic ", "Bearer", "", "Token "]),
+            tokens,
+        ),
+    )
+    entry = st.one_of(
+        st.tuples(st.just("authorization"), values),
+        st.tuples(st.just("authorization"), values),
+        st.tuples(
+            st.sampled_from(["x-draftwire-client", "x-draftwire-admin"]),
+            st.sampled_from(["ops", "1", "alice", ""]),
+        ),
+        st.tuples(st.just("authorization-bin"), st.binary(max_size=32)),
+    )
+    good = st.builds(  # a known token, last; maybe after a bad one and beside a front's headers
+        lambda before, token, after: (*before, ("authorization", f"Bearer {token}"), *after),
+        st.lists(entry, max_size=1),
+        st.sampled_from([t, t, secured.admin_token]),
+        st.lists(entry.filter(lambda e: e[0] != "authorization"), max_size=2),
+    )
+    sessions = live_sessions(info).map(lambda c: [s for s in c[1] if not getattr(s, "mutation", "")][:3])
+
+    def case(path, metadata, valid, session, data):
+        if path.endswith("/Session"):
+            payload = session if valid else [Step(data)]
+        else:
+            payload = b"" if valid else data
+        return ("auth", path, metadata, payload, valid)
+
+    anything = st.builds(  # mostly refused: any metadata, any path, a valid request or bytes
+        case,
+        st.sampled_from(PATHS),
+        st.one_of(st.lists(entry, max_size=3).map(tuple), good),
+        st.booleans(),
+        sessions,
+        st.binary(min_size=1, max_size=24),
+    )
+    admitted = st.builds(  # a known token and a valid request: it must work (GetStats: admins only)
+        case,
+        st.sampled_from([SERVICE + m for m in ("GetModelInfo", "GetStats", "Session", "Session")]),
+        good,
+        st.just(True),
+        sessions,
+        st.just(b""),
+    )
+    refused = st.builds(  # no known token: refused whatever the request
+        case,
+        st.sampled_from([SERVICE + m for m in ("GetModelInfo", "GetStats", "Session")]),
+        st.lists(entry, max_size=3).map(tuple).filter(lambda md: not secured.admits(md)[0]),
+        st.booleans(),
+        sessions,
+        st.binary(min_size=1, max_size=24),
+    )
+    return st.one_of(anything, admitted, refused)
+
+
+def sendable(key: str, value) -> bool:
+    """Whether grpc's client sends this metadata: a value of printable ASCII, or bytes under a -bin key."""
+    if key.endswith("-bin"):
+        return True
+    return isinstance(value, str) and all(" " <= c <= "~" for c in value)
+
+
 def mutate(step: Step, edits: list[tuple[int, int]], cut: int) -> Step:
     """A serialized message with some bytes replaced (position, value) and maybe its tail cut."""
     data = bytearray(step.encode(State(committed=[1, 2, 3], committed_length=3)))
@@ -515,13 +640,27 @@ def mutate(step: Step, edits: list[tuple[int, int]], cut: int) -> Step:
 class Campaign:
     """Runs cases against one verifier address and counts what comes back."""
 
-    def __init__(self, address: str, config: FuzzConfig, figures: Figures, alive=lambda: True):
+    def __init__(
+        self,
+        address: str,
+        config: FuzzConfig,
+        figures: Figures,
+        alive=lambda: True,
+        secured: Secured | None = None,
+    ):
         self.address, self.config, self.figures, self.alive = address, config, figures, alive
+        self.secured = secured
+        # Secured: every call carries the client's token as metadata, but an auth case its own.
+        self.metadata = (("authorization", f"Bearer {secured.token}"),) if secured else ()
         self.loop = asyncio.new_event_loop()
         self.channel = self.loop.run_until_complete(self._channel())
 
     async def _channel(self):
-        return grpc.aio.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 1 << 24)])
+        options = [("grpc.max_receive_message_length", 1 << 24)]
+        if self.secured is None:
+            return grpc.aio.insecure_channel(self.address, options=options)
+        credentials = grpc.ssl_channel_credentials(self.secured.ca)  # the token goes as metadata
+        return grpc.aio.secure_channel(self.address, credentials, options=options)
 
     def close(self) -> None:
         self.loop.run_until_complete(self.channel.close())
@@ -538,7 +677,12 @@ class Campaign:
             self.figures.finding(f"fuzzer error {e!r}", case)
             return
         f = self.figures
+        if code is None:
+            f.statuses["not sent (grpc's client refuses non-ASCII metadata)"] += 1
+            return
         f.calls += 1
+        if case[0] == "auth":
+            self._judge(case, code)
         if code == grpc.StatusCode.INTERNAL and self._last_details == CLIENT_RACE:
             # The verifier ended the stream (its refusal counter says with what) while this client was
             # still writing: grpc's aio client then reports this instead of the verifier's status.
@@ -561,15 +705,55 @@ class Campaign:
             f.crashes += 1
             f.finding("crash", case)
 
+    def _judge(self, case, code: grpc.StatusCode) -> None:
+        """An auth case's status against what the verifier must answer."""
+        _, path, metadata, _, valid = case
+        f, c = self.figures, grpc.StatusCode
+        f.auth_cases += 1
+        admitted, admin = self.secured.admits(metadata)
+        if not path.startswith(SERVICE):  # health is open to anyone: judged as any call
+            return
+        if path.endswith("/Nope"):
+            expected = c.UNIMPLEMENTED  # no such method, before any authentication
+        elif not admitted:
+            expected = c.UNAUTHENTICATED
+        elif not valid:  # a good token with bytes: the request's status, judged as any call
+            return
+        elif path.endswith("/GetStats") and not admin:
+            expected = c.PERMISSION_DENIED
+        else:
+            expected = c.OK
+        if code == expected and expected != c.OK:
+            f.auth_refused += 1
+        elif code == c.RESOURCE_EXHAUSTED and "metadata size exceeds" in self._last_details:
+            f.auth_refused += 1  # past gRPC's 16 KiB limit on metadata: refused before any handler
+        elif path.endswith("/Session") and expected == c.OK and self._opened:
+            f.auth_admitted += 1  # opened: what follows is the session's own business
+        elif code == expected:
+            f.auth_admitted += 1
+        elif code == c.INTERNAL and self._last_details == CLIENT_RACE and expected != c.OK:
+            f.auth_refused += 1  # refused while the client was still writing (counted apart below)
+        else:
+            f.auth_wrong += 1
+            f.finding(f"auth: {code.name} where {expected.name} {self._last_details!r}", case)
+
     def _deadline(self, case) -> float:
         """A unary call (and health's first answer) comes at once: at most 5 s."""
-        return self.config.deadline_s if case[0] == "session" else min(5.0, self.config.deadline_s)
+        stream = case[0] == "session" or case[0] == "auth" and case[1].endswith("/Session")
+        return self.config.deadline_s if stream else min(5.0, self.config.deadline_s)
 
-    async def _case(self, case) -> grpc.StatusCode:
-        self._last_details = ""
+    async def _case(self, case) -> grpc.StatusCode | None:
+        self._last_details, self._opened, metadata = "", False, self.metadata
+        if case[0] == "auth":
+            _, path, metadata, payload, _ = case
+            if not all(sendable(k, v) for k, v in metadata):
+                return None  # grpc's client refuses it before it leaves
+            case = ("session", payload, True) if path.endswith("/Session") else ("unary", path, payload)
         if case[0] == "health" and case[1] == "Watch":
             # A stream that never ends: its first answer must come (SERVING, SERVICE_UNKNOWN) or a status.
-            call = self.channel.unary_stream(HEALTH + "Watch")(case[2], timeout=self._deadline(case))
+            call = self.channel.unary_stream(HEALTH + "Watch")(
+                case[2], timeout=self._deadline(case), metadata=metadata
+            )
             self.figures.messages += 1
             try:
                 first = await call.read()
@@ -584,7 +768,7 @@ class Campaign:
             case = ("unary", HEALTH + "Check", case[2])
         if case[0] == "unary":
             _, path, data = case
-            call = self.channel.unary_unary(path)(data, timeout=self._deadline(case))
+            call = self.channel.unary_unary(path)(data, timeout=self._deadline(case), metadata=metadata)
             self.figures.messages += 1
             try:
                 await call
@@ -596,7 +780,17 @@ class Campaign:
         self.figures.sessions += 1
         call = self.channel.stream_stream(
             SERVICE + "Session", response_deserializer=pb.VerifierMessage.FromString
-        )(timeout=self.config.deadline_s)
+        )(timeout=self.config.deadline_s, metadata=metadata)
+        if self.secured is not None and not self.secured.admits(metadata)[0]:
+            # Refused before its handler reads anything: wait for that status before writing, or grpc's
+            # client may report the write race (CLIENT_RACE) in its place.
+            try:
+                await asyncio.wait_for(asyncio.shield(call.code()), 1.0)
+            except TimeoutError:
+                pass  # not refused: the judge will say so
+            if call.done():
+                self._last_details = await call.details()
+                return await call.code()
         state = State()
         try:
             for step in steps:
@@ -625,6 +819,7 @@ class Campaign:
         state.observe(reply)
         if reply.WhichOneof("kind") == "opened":
             self.figures.opened += 1
+            self._opened = True
         else:
             self.figures.verdicts += 1
             self.figures.verified += not reply.verdict.stale
@@ -643,9 +838,10 @@ class Bystander(threading.Thread):
     greedy, drafted from its own recorded output with a share corrupted; every run must reproduce the
     output recorded before the fuzzing began."""
 
-    def __init__(self, address: str, config: FuzzConfig, figures: Figures):
+    def __init__(self, address: str, config: FuzzConfig, figures: Figures, secured: Secured | None = None):
         super().__init__(daemon=True)
         self.address, self.config, self.figures = address, config, figures
+        self.credentials = secured.credentials() if secured else wire.PLAINTEXT
         self.ready, self.stop = threading.Event(), threading.Event()
         self.error: BaseException | None = None
 
@@ -658,7 +854,7 @@ class Bystander(threading.Thread):
 
     async def _run(self) -> None:
         f, timeouts = self.figures, Timeouts(call_s=self.config.deadline_s, verdict_s=self.config.deadline_s)
-        async with wire.insecure_channel(self.address) as channel:
+        async with wire.channel(self.address, self.credentials) as channel:
             info = await EdgeSession(channel, None, timeouts).model_info()
             vocab = Vocabulary(info.target.vocabulary.size, info.target.vocabulary.fingerprint)
             prompt = tuple(range(5, 5 + 12))
@@ -682,18 +878,25 @@ class Bystander(threading.Thread):
                 f.serving &= await healthy(channel)
 
 
-def run_campaign(address: str, config: FuzzConfig, alive=None, log=print) -> Figures:
-    """Runs the campaign against the verifier at `address` (host:port, plaintext); `alive()` says
-    whether the server still runs (default: its health answers). Returns the figures."""
+def run_campaign(
+    address: str, config: FuzzConfig, alive=None, log=print, secured: Secured | None = None
+) -> Figures:
+    """Runs the campaign against the verifier at `address` (host:port): plaintext, or with TLS and
+    tokens when `secured` says how (then auth cases join the others); `alive()` says whether the server
+    still runs (default: its health answers). Returns the figures."""
     figures = Figures()
-    bystander = Bystander(address, config, figures)
+    bystander = Bystander(address, config, figures, secured)
     bystander.start()
     bystander.ready.wait(120)
     if bystander.error is not None:
         raise RuntimeError(f"the bystander could not start: {bystander.error!r}")
-    probe = grpc.insecure_channel(address)
+    if secured is None:
+        probe, admin = grpc.insecure_channel(address), ()
+    else:
+        probe = grpc.secure_channel(address, grpc.ssl_channel_credentials(secured.ca))
+        admin = (("authorization", f"Bearer {secured.admin_token}"),)
     info = pb.ModelInfo.FromString(
-        probe.unary_unary(SERVICE + "GetModelInfo")(b"", timeout=config.deadline_s)
+        probe.unary_unary(SERVICE + "GetModelInfo")(b"", timeout=config.deadline_s, metadata=admin)
     )
 
     def health() -> bool:
@@ -705,16 +908,21 @@ def run_campaign(address: str, config: FuzzConfig, alive=None, log=print) -> Fig
 
     def internal_refusals() -> int | None:
         try:
-            stats = pb.ServerStats.FromString(probe.unary_unary(SERVICE + "GetStats")(b"", timeout=10))
+            stats = pb.ServerStats.FromString(
+                probe.unary_unary(SERVICE + "GetStats")(b"", timeout=10, metadata=admin)
+            )
         except grpc.RpcError:
             return None  # not ours to read (an authenticating verifier), or gone
         return stats.refusals.get("INTERNAL", 0)
 
     before = internal_refusals()
-    campaign = Campaign(address, config, figures, alive or health)
+    campaign = Campaign(address, config, figures, alive or health, secured)
     started = time.monotonic()
     end = started + 60 * config.minutes
     limit = config.examples
+
+    # Auth cases: 4 of 9 branches (one_of keeps one copy of a strategy object given twice).
+    fuzzed = [] if secured is None else [auth_cases(info, secured) for _ in range(4)]
 
     @settings(
         max_examples=config.batch if limit is None else limit,
@@ -723,7 +931,7 @@ def run_campaign(address: str, config: FuzzConfig, alive=None, log=print) -> Fig
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(cases(info))
+    @given(st.one_of(cases(info), *fuzzed))
     def one(case) -> None:
         if limit is None and time.monotonic() >= end or figures.crashes:
             return
@@ -750,6 +958,29 @@ def run_campaign(address: str, config: FuzzConfig, alive=None, log=print) -> Fig
     return figures
 
 
+def start_secured(target: Path, directory: Path, *extra: str):
+    """`serve` with TLS (a throwaway CA's certificate for loopback, made in `directory`) and a token file
+    of a client `alice` and an admin `ops`: (the ServerProcess, its Secured)."""
+    from tools.testkit.certs import make_certs
+    from tools.testkit.serverproc import ServerProcess
+
+    certs = make_certs(directory, clients=())
+    secured = Secured(certs.ca().read_bytes(), secrets.token_hex(24), secrets.token_hex(24))
+    tokens = directory / "tokens"
+    tokens.write_text(f"alice {secured.token}\nops {secured.admin_token} admin\n")
+    tokens.chmod(0o600)
+    tls = ["--tls-cert", str(certs.cert("server")), "--tls-key", str(certs.key("server"))]
+    server = ServerProcess(
+        target,
+        *tls,
+        "--auth-tokens",
+        str(tokens),
+        *extra,
+        credentials=wire.ClientCredentials(True, secured.ca),
+    )
+    return server, secured
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.splitlines()[0])
     p.add_argument("--server", help="HOST:PORT of a plaintext verifier (default: start one on the demo pair)")
@@ -759,13 +990,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=30.0, help="every call's deadline")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="TLS and tokens: start `serve` with a throwaway certificate and token file, or with --server "
+        "give --tls-ca, --token and --admin-token; fuzzed `authorization` metadata joins the cases",
+    )
+    p.add_argument("--tls-ca", type=Path, help="with --server --auth: the CA of its certificate")
+    p.add_argument("--token", help="with --server --auth: a client's token")
+    p.add_argument("--admin-token", help="with --server --auth: an admin's token (GetStats)")
     args = p.parse_args(argv)
+    if args.auth and args.server and not (args.tls_ca and args.token and args.admin_token):
+        p.error("--auth with --server needs --tls-ca, --token and --admin-token")
     config = FuzzConfig(
         minutes=args.minutes, examples=args.examples, seed=args.seed, deadline_s=args.deadline_s
     )
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.server:
-        figures = run_campaign(args.server, config, log=log)
+        secured = None
+        if args.auth:
+            secured = Secured(args.tls_ca.read_bytes(), args.token, args.admin_token)
+        figures = run_campaign(args.server, config, log=log, secured=secured)
+    elif args.auth:
+        with tempfile.TemporaryDirectory() as directory:
+            server, secured = start_secured(args.target, Path(directory))
+            with server:
+                figures = run_campaign(
+                    server.address, config, lambda: server.proc.poll() is None, log, secured
+                )
+                figures.serving &= server.proc.poll() is None
     else:
         from tools.testkit.serverproc import ServerProcess
 
@@ -785,6 +1038,8 @@ def text(r: dict) -> str:
         f"statuses: {statuses}",
         f"crashes {r['crashes']}, hangs {r['hangs']}, INTERNAL {r['internal']} "
         f"(ended with INTERNAL by the verifier: {r['server_internal']}); fuzzer errors {r['harness_errors']}",
+        f"auth cases: {r['auth']['cases']} ({r['auth']['refused']} refused, {r['auth']['admitted']} admitted "
+        f"as they had to be, {r['auth']['wrong']} wrong)",
         f"bystander: {r['bystander_runs']} runs, {r['bystander_mismatches']} mismatches, "
         f"{r['bystander_errors']} errors; SERVING throughout: {r['serving']}",
         *(f"finding: {f}" for f in r["findings"]),
