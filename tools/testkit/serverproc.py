@@ -122,17 +122,23 @@ class EdgeProcess(ChildProcess):
 
 def _wait_for(server: ServerProcess, pattern: str, timeout: float) -> str:
     """The first group of `pattern` in the process's first lines of output; stops it and raises
-    RuntimeError with what it printed when it exits or the time runs out first."""
-    deadline, seen = time.monotonic() + timeout, []
+    RuntimeError with what it printed when it exits or the time runs out first.
+
+    Reads the pipe's bytes as they come: a buffered readline after select may take the next lines into
+    its buffer, where select no longer sees them, and the line looked for would wait there unread."""
+    deadline, seen, partial = time.monotonic() + timeout, [], b""
+    fd = server.proc.stdout.fileno()
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([server.proc.stdout], [], [], 0.5)
+        ready, _, _ = select.select([fd], [], [], 0.5)
         if ready:
-            line = server.proc.stdout.readline()
-            seen.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m.group(1)
+            *lines, partial = (partial + os.read(fd, 1 << 16)).split(b"\n")
+            for line in lines:
+                seen.append(line.decode(errors="replace") + "\n")
+                m = re.search(pattern, seen[-1])
+                if m:
+                    return m.group(1)
         if server.proc.poll() is not None:
+            seen.append(partial.decode(errors="replace"))
             seen.extend(server.proc.stdout)  # what it printed last: often why it exited
             break
     server.stop()
