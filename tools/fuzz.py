@@ -4,12 +4,17 @@ Cases: `Session` streams of mutated opens and proposals in any order (some sent 
 positions, rounds and assumed tokens following the session's real state so that they reach deep),
 opens and proposals written byte by byte with every numeric field at and past its limits (negative,
 int64 and uint64 extremes, NaN and infinities, wrong wire types), mutated serialized messages, raw
-bytes on every method path, and repeated fields from empty to past the message size limit.
+bytes on every method path, and repeated fields from empty to past the message size limit. Live
+sessions: a valid open (sampling parameters at and inside their limits), then proposals built from the
+session's real state, valid, pipelined or with one thing wrong, so that rounds are verified and the
+mutations hit a live session. Health `Check` and `Watch` with any service name or bytes. With `--auth`
+(TLS and tokens): calls with fuzzed `authorization` metadata, which must get UNAUTHENTICATED unless they
+carry a known token, while the rest runs behind a valid token.
 
 Every call has a deadline. Meanwhile a bystander session runs the same greedy generation again and
 again; it must reproduce its undisturbed output every time, and health must say SERVING. Figures:
 messages and sessions tried, statuses by code, crashes (the server gone), hangs (a call past its
-deadline), INTERNAL statuses, bystander runs and mismatches.
+deadline), INTERNAL statuses, auth cases refused, admitted and wrong, bystander runs and mismatches.
 """
 
 from __future__ import annotations
@@ -726,7 +731,13 @@ def raw_call(
         ]
         block = b"".join(_hpack_literal(k, v) for k, v in [*pseudo, *headers])
         message = b"\0" + len(body).to_bytes(4, "big") + body
-        tls.sendall(_frame(1, 0x4, 1, block) + _frame(0, 0x1, 1, message))
+        # HEADERS, then CONTINUATION frames: none past HTTP/2's default frame size (16 KiB)
+        pieces = [block[i : i + 16384] for i in range(0, len(block), 16384)]
+        frames = [
+            _frame(1 if n == 0 else 9, 0x4 if n == len(pieces) - 1 else 0, 1, piece)
+            for n, piece in enumerate(pieces)
+        ]
+        tls.sendall(b"".join(frames) + _frame(0, 0x1, 1, message))
         buffer, table = b"", []
         while True:
             while len(buffer) < 9 or len(buffer) < 9 + int.from_bytes(buffer[:3], "big"):
