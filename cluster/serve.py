@@ -41,8 +41,11 @@ async def _serve(config: PoolConfig) -> None:
     pool = Pool(config)
     front = Front(pool, config.front)
     try:
-        await pool.start()
+        # The front listens before the replicas serve (health NOT_SERVING meanwhile): an edge resuming
+        # against a restarted `serve --ray` waits for a replica (up to open_timeout_s) instead of being
+        # refused while the target loads.
         port = await front.start()
+        await pool.start()
         target_id = next(iter(pool.info.values())).target_id
         print(f"draftwire: serving {target_id} on {config.front.host}:{port}", flush=True)
         if config.front.metrics_port is not None:

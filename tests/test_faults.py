@@ -1,12 +1,13 @@
 """The fault campaign (issue 15 item 6) on real processes with the demo pair: a verifier restarted on
-the same address, a client that disconnects mid-round, a stalled network, a client that stops reading
-verdicts. Each ends with the edge's committed tokens equal to an undisturbed run (none lost, none
-repeated) and the verifier's sessions, KV cache and RSS back where they were. A replica killed
-mid-round and a draining pool are in test_cluster.py; a dropped connection in test_netdelay.py. The
-restart stands for a front restart too: `serve --ray` runs the front in the pool's process, so restarting
-the front is restarting that process on its address, which the edge sees exactly as it sees this one."""
+the same address, a pool's front restarted on its address (`serve --ray`, whose driver process is the
+front, SIGKILLed mid-generation), a client that disconnects mid-round, a stalled network, a client that
+stops reading verdicts. Each ends with the edge's committed tokens equal to an undisturbed run (none
+lost, none repeated) and the verifier's sessions, KV cache and RSS back where they were. A replica
+killed mid-round and a draining pool are in test_cluster.py; a dropped connection in test_netdelay.py."""
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -30,9 +31,9 @@ RSS_SLACK_MB = 100  # what a verifier's RSS may gain over a fault, once warm
 PATIENT = Timeouts()  # the edge's defaults
 
 
-def serve(*extra: str) -> ServerProcess:
+def serve(*extra: str, timeout: float = 120) -> ServerProcess:
     """The demo target in its default (bit-exact) mode; no kept caches, so a freed cache is gone."""
-    return ServerProcess(DEMO / "target", "--prefix-cache-mb", "0", *extra)
+    return ServerProcess(DEMO / "target", "--prefix-cache-mb", "0", *extra, timeout=timeout)
 
 
 def request() -> GenerationRequest:
@@ -50,6 +51,55 @@ async def settled(address: str, timeout_s: float = 15) -> pb.ServerStats:
     while (now := await stats(address)).active_sessions and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return now
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """The processes below `pid` now (its children, theirs, ...), each with its start time, which tells
+    a process from a later one given the same id."""
+    parents, started = {}, {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            parents[int(entry.name)], started[int(entry.name)] = int(fields[1]), int(fields[19])
+    found, below = {}, [pid]
+    while below:
+        parent = below.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = started[child]
+                below.append(child)
+    return found
+
+
+def still_running(processes: dict[int, int]) -> list[int]:
+    """Those of `processes` (id: start time) that run yet."""
+    alive = []
+    for pid, started in processes.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[19]) == started and fields[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+async def accepts(address: str) -> float:
+    """When (time.monotonic) a TCP connection to `address` first succeeds."""
+    host, port = address.rsplit(":", 1)
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return time.monotonic()
 
 
 def rss_mb(server: ServerProcess) -> float:
@@ -130,6 +180,54 @@ def test_verifier_restarted_on_the_same_address_the_edge_resumes_exactly(drafter
     assert ids == expected  # every committed token kept, none repeated
     assert gen_stats.resumes >= 1
     assert after.sessions_opened == 1 and after.active_sessions == 0 and after.cache_bytes == 0
+
+
+POOL = ("--ray", "--replicas", "1", "--replica-cpus", "0.5", "--replica-host", "127.0.0.1")
+
+
+def test_pool_restarted_on_the_same_port_the_edge_resumes_exactly(drafter, expected, monkeypatch):
+    """`serve --ray` runs the front in the pool's driver process, which also started the pool's local Ray
+    cluster: a SIGKILL takes the front, the pool and its replica down at once. Started again on the same
+    port while an edge with the default Timeouts generates, it serves a new pool, and the edge resumes to
+    exactly the undisturbed tokens. Two processes of the killed cluster outlive it by about a minute
+    (Ray's DashboardAgent and RuntimeEnvAgent, docs/cluster.md, Limits): the new pool starts beside
+    them, and the test ends them."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private loopback cluster; see docs/cluster.md
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # no --address and no RAY_ADDRESS: a local cluster
+    first, second, killed = serve(*POOL, timeout=240), None, {}
+    port = first.address.rsplit(":", 1)[1]
+    ids, gen_stats = [], GenerationStats()
+
+    async def scenario():
+        nonlocal second, killed
+        task = asyncio.create_task(generate(first.address, Paced(drafter, 0.05), PATIENT, ids, gen_stats))
+        await committed_at_least(ids, 4)
+        killed = descendants(first.proc.pid)  # Ray's processes, the replica's among them
+        first.proc.kill()  # SIGKILL: no drain, no ray.shutdown
+        first.proc.wait()
+        killed_at, down = len(ids), time.monotonic()
+        listening = asyncio.create_task(accepts(first.address))
+        second = await asyncio.to_thread(serve, *POOL, "--port", port, timeout=240)
+        back = time.monotonic() - down
+        await task
+        return killed_at, (await listening) - down, back, still_running(killed)
+
+    try:
+        killed_at, listening, back, lingering = asyncio.run(scenario())
+        assert second.address == first.address
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        for pid in still_running(killed):
+            os.kill(pid, signal.SIGKILL)
+    assert 4 <= killed_at < NEW
+    assert ids == expected  # every committed token kept, none repeated
+    assert gen_stats.resumes >= 1
+    print(
+        f"after the kill: the front listened in {listening:.1f} s, the pool served in {back:.1f} s; "
+        f"{len(lingering)} of the killed pool's processes ran yet"
+    )
 
 
 def test_client_disconnects_mid_round_the_server_frees_it_and_others_are_untouched(
