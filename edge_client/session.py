@@ -162,6 +162,10 @@ class EdgeSession:
         inbox = _Inbox(call, stats)
         sent_at: dict[int, float] = {}
         queued: dict[int, bool] = {}  # sent while others were in flight: may wait behind them
+        # The stream's first draft also feeds the drafter the prompt (or a resume's committed tokens): its
+        # time is mostly that prefill, not drafting, and would teach the tuner that drafts cost the same
+        # whatever their length, so it is not counted.
+        prefilling = True
         try:
             await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated)), stats)
             while not plan.finished:
@@ -178,8 +182,9 @@ class EdgeSession:
                     if (job := plan.next_draft()) is not None:
                         drafted_s = stats.draft_s
                         tokens = await self._draft(job, request.sampling, plan.stops, stats)
-                        if tuner is not None:
+                        if tuner is not None and not prefilling:
                             tuner.observe_draft(len(tokens), stats.draft_s - drafted_s)
+                        prefilling = False
                         plan.add_draft(job, tokens)
                         continue
                     # ...else wait for the oldest proposal's verdict.
