@@ -30,7 +30,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from tools.loadtest import report_text
 from tools.testkit.certs import make_certs
-from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
+from tools.testkit.serverproc import DRAFTWIRE, ServerProcess, blocking_channel
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 POOL_FLAGS = ("--ray", "--replicas", "2", "--replica-cpus", "0.5", "--replica-host", "127.0.0.1")
@@ -59,14 +59,11 @@ def soak(config: SoakConfig, workdir: Path) -> dict:
     flags = ["--tls-cert", certs.cert("server"), "--tls-key", certs.key("server"), "--auth-tokens", tokens]
     flags += ["--max-gamma", "8", *(POOL_FLAGS if config.against == "pool" else ())]
     # The pool starts a private loopback Ray cluster (docs/cluster.md): no --address and no RAY_ADDRESS.
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": None}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     tls = wire.ClientCredentials.from_files(certs.ca())
-    with (
-        _environment(env),
-        ServerProcess(
-            config.target, *map(str, flags), timeout=300, cpus=server_cpus, credentials=tls
-        ) as server,
-    ):
+    with ServerProcess(
+        config.target, *map(str, flags), timeout=300, cpus=server_cpus, credentials=tls, env=env
+    ) as server:
         admin = wire.ClientCredentials.from_files(certs.ca(), token=admin_token)
         sampler = RssSampler(server.proc.pid, config.sample_s, _stats_probe(server.address, admin))
         command = [DRAFTWIRE, "loadtest", "--server", server.address, "--sessions", str(config.sessions)]
@@ -203,35 +200,10 @@ def _cores() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(cores[:half]), tuple(cores[half:])
 
 
-class _environment:
-    """Sets (a value) or unsets (None) variables for the server's start, which its children inherit;
-    restores them after."""
-
-    def __init__(self, values: dict[str, str | None]):
-        self.values, self.saved = values, {}
-
-    def __enter__(self):
-        for name, value in self.values.items():
-            self.saved[name] = os.environ.get(name)
-            self._set(name, value)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, value in self.saved.items():
-            self._set(name, value)
-
-    @staticmethod
-    def _set(name: str, value: str | None) -> None:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 def _stats_probe(address: str, admin: wire.ClientCredentials):
     """A function that reads the server's active sessions, kept caches and KV cache memory (MiB, live and
     kept together) now, or nothing when the call fails; its channel lives as long as the function."""
-    stub = pb_grpc.VerifierStub(_blocking_channel(address, admin))
+    stub = pb_grpc.VerifierStub(blocking_channel(address, admin))
 
     def probe() -> dict:
         try:
@@ -254,7 +226,7 @@ def _refusals(address: str, ca: Path) -> dict:
     for name, token in (("no_token", None), ("wrong_token", "not-a-token")):
         credentials = wire.ClientCredentials.from_files(ca, token=token)
         try:
-            with _blocking_channel(address, credentials) as channel:
+            with blocking_channel(address, credentials) as channel:
                 pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
             found[name] = "OK"
         except grpc.RpcError as e:
@@ -266,7 +238,7 @@ def _settled(address: str, admin: wire.ClientCredentials, timeout_s: float = 30)
     """The server's active sessions and KV cache bytes once the load has ended (waits up to
     `timeout_s` for the sessions to close)."""
     deadline = time.monotonic() + timeout_s
-    with _blocking_channel(address, admin) as channel:
+    with blocking_channel(address, admin) as channel:
         stub = pb_grpc.VerifierStub(channel)
         while True:
             stats = stub.GetStats(pb.StatsRequest(), timeout=10)
@@ -280,11 +252,6 @@ def _settled(address: str, admin: wire.ClientCredentials, timeout_s: float = 30)
         "sessions_opened": stats.sessions_opened,
         "refusals": dict(stats.refusals),
     }
-
-
-def _blocking_channel(address: str, credentials: wire.ClientCredentials) -> grpc.Channel:
-    composite = credentials.channel_credentials()
-    return grpc.secure_channel(address, composite, credentials.options())
 
 
 def summary_text(r: dict) -> str:

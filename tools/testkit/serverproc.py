@@ -28,14 +28,17 @@ class ServerProcess:
         executable: str = DRAFTWIRE,
         cpus: tuple[int, ...] = (),
         credentials: wire.ClientCredentials = wire.PLAINTEXT,
+        env: dict[str, str] | None = None,
     ):
         """Starts `executable serve` (by default this environment's `draftwire`), pinned to `cpus` when
-        given; `credentials`: how to reach it when its `extra` asks for TLS (health needs no token).
-        Raises RuntimeError with its output when it does not come up."""
+        given, with the environment `env` (None: this process's); `credentials`: how to reach it when its
+        `extra` asks for TLS (health needs no token). Raises RuntimeError with its output when it does not
+        come up."""
         self.credentials = credentials
         self.proc = subprocess.Popen(
             [executable, "serve", "--target", str(target), "--port", "0", *extra],
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -45,10 +48,7 @@ class ServerProcess:
 
     def _channel(self) -> grpc.Channel:
         """A blocking channel for health checks (open to anyone, TLS where the server serves it)."""
-        credentials = getattr(self, "credentials", wire.PLAINTEXT)
-        if not credentials.tls:
-            return grpc.insecure_channel(self.address)
-        return grpc.secure_channel(self.address, credentials.channel_credentials(), credentials.options())
+        return blocking_channel(self.address, getattr(self, "credentials", wire.PLAINTEXT))
 
     def _wait_until_serving(self, timeout: float) -> None:
         with self._channel() as channel:
@@ -118,6 +118,14 @@ class EdgeProcess(ChildProcess):
         argv += ["--draft", str(draft)] if draft is not None else []
         super().__init__([*argv, *extra], r"draftwire edge: (http://\S+/)", timeout, cpus)
         self.url = self.found
+
+
+def blocking_channel(address: str, credentials: wire.ClientCredentials) -> grpc.Channel:
+    """A blocking (not asyncio) channel to `address` with `credentials`: plaintext, or TLS with any
+    token and client certificate they carry."""
+    if not credentials.tls:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials.channel_credentials(), credentials.options())
 
 
 def _wait_for(server: ServerProcess, pattern: str, timeout: float) -> str:
