@@ -3,7 +3,9 @@ chosen online from what the edge measures. Pure: no clock, no I/O; the transport
 
 What is measured, each smoothed exponentially (weight `smoothing` for a new figure):
   α_i     acceptance of draft position i given positions 0..i-1 accepted (decayed counts, shrunk to
-          the pooled rate, so a position seldom reached borrows from the others: i.i.d.-ish).
+          the pooled rate, so a position seldom reached borrows from the others: i.i.d.-ish). A round of
+          γ tokens judges positions up to γ - 1; when all γ are accepted, a pipelined successor's guess
+          of the bonus (the draft's token γ) judges position γ.
   D(n)    seconds to draft n tokens (one drafter call); V(n) seconds of the verifier's forward over n
           positions (Verdict.verify_seconds): each a line, fitted over the sizes seen so far.
   R       round trip: send to verdict, less the verify time. Only a proposal sent with nothing in
@@ -17,9 +19,15 @@ The model, for γ draft tokens a proposal and depth d (proposals sent ahead of t
   d = 0:  tokens/s = E / L
   d ≥ 1:  τ = max(D(γ+1), V(γ+1), (D(γ+1) + R + V(γ+1)) / (d+1))  a verdict's period while live
           (the draft, the verifier, or d+1 proposals cycling through one round trip)
-          tokens/s = E / ((1-q)·(L + u·D(γ+1)/2) + q·τ),  u = min(1, D(γ+1)/τ)
-          (a run restarts from committed tokens with probability 1-q, finding the drafter busy
-          on a proposal that is now stale with probability u, half-way through on average)
+          tokens/s = E / ((1-q)·(L + b) + q·τ)
+          (a run restarts from committed tokens with probability 1-q, after the drafter finishes the
+          now-stale draft under way: b. The drafter drafts back to back after a send, and a verdict
+          comes R + V(γ+1) after its proposal's send, so b = D(γ+1) - ((R + V) mod D(γ+1)), or 0 once
+          d drafts fill the pipeline first; averaged over ±10 % jitter in R + V. Where the verifier is
+          the bottleneck the drafter waits on it in a live run, so only a run's first verdict finds
+          it busy: b is weighted by 1-q there.)
+
+The model is tested against the planner itself on a virtual clock (tools/testkit/timeline.py).
 
 Hysteresis: nothing moves before `warmup` verified rounds, nor within `dwell` rounds of the last move;
 a move needs `margin` more predicted tokens/s than staying, and γ moves by at most `max_step`.
@@ -132,9 +140,31 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     live = 1.0
     for i in range(gamma + 1):
         live *= est.acceptance[i]
-    busy = min(1.0, ahead / period) if period > 0 else 1.0
-    cost = (1 - live) * (fresh + busy * ahead / 2) + live * period
+    # The drafter's time left on a now-stale draft when a verdict breaks the run: where the drafter is
+    # the bottleneck, at any break; where the verifier is, only at a run's first verdict (the drafter
+    # refills the pipeline after a break, then waits on the verifier).
+    busy = _busy(ahead, est.rtt_s + verify, depth) * (1.0 if period <= ahead else 1 - live)
+    cost = (1 - live) * (fresh + busy) + live * period
     return tokens / cost if cost > 0 else float("inf")
+
+
+PHASE_JITTER = 0.1
+
+
+def _busy(draft_s: float, back_s: float, depth: int) -> float:
+    """The drafter's time left on a draft when a verdict comes, while it drafts back to back: each
+    verdict comes `back_s` (R + V) after its proposal's send, which is where the next draft began, so
+    the draft under way then has draft_s - (back_s mod draft_s) left; none once `depth` drafts fill
+    the pipeline before the verdict (back_s >= depth · draft_s). That is a saw in back_s; real costs
+    jitter, so it is averaged over back_s ± PHASE_JITTER of itself."""
+    if draft_s <= 0:
+        return 0.0
+    width, points = PHASE_JITTER * back_s, 9
+    total = 0.0
+    for k in range(points):
+        x = max(0.0, back_s + width * (2 * k / (points - 1) - 1))
+        total += (draft_s - x % draft_s) % draft_s if x < depth * draft_s else 0.0
+    return total / points
 
 
 def best_setting(
@@ -175,12 +205,22 @@ class Tuner:
     def observe_verdict(self, draft_tokens: int, accepted: int, cut: bool) -> None:
         """A verified round of `draft_tokens` of which the first `accepted` were accepted; `cut`: the
         round ended by a finish, so the position after the accepted ones was not judged."""
-        decay = 1 - self.config.smoothing
         judged = accepted + (0 if cut or accepted >= draft_tokens else 1)
-        for i in range(min(judged, len(self._reached))):
-            self._accepted[i] = decay * self._accepted[i] + (i < accepted)
-            self._reached[i] = decay * self._reached[i] + 1
+        for i in range(judged):
+            self._judge(i, i < accepted)
         self.rounds += 1
+
+    def observe_guess(self, draft_tokens: int, right: bool) -> None:
+        """A proposal of `draft_tokens` all accepted, and its pipelined successor's guess of the bonus
+        token `right` or not: draft position `draft_tokens` judged (the guess is the draft's token there),
+        which the round itself never judges and q(γ) needs."""
+        self._judge(draft_tokens, right)
+
+    def _judge(self, position: int, accepted: bool) -> None:
+        if position < len(self._reached):
+            decay = 1 - self.config.smoothing
+            self._accepted[position] = decay * self._accepted[position] + accepted
+            self._reached[position] = decay * self._reached[position] + 1
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         """One drafter call that drafted `tokens` (the guessed bonus included)."""

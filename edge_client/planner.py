@@ -141,10 +141,11 @@ class Planner:
         stats: GenerationStats | None = None,
         tuner: Tuner | None = None,
     ):
-        """`tuner`: where an adaptive request's γ and depth come from, and what verdicts teach (one is
-        made for it when None); a fixed request leaves it untouched."""
+        """`tuner`: where an adaptive request's γ and depth come from (one is made when None). Every
+        request's verdicts teach it, a fixed one's too: the estimates then hold for whatever request
+        follows, and show what the model predicts for a fixed setting."""
         self.request = request
-        self.tuner = (tuner or Tuner()) if request.adaptive else None
+        self.tuner = tuner or Tuner()
         self.stats = stats if stats is not None else GenerationStats()
         self.committed = [*request.prompt_token_ids, *generated]  # prompt + generated
         self.stops = stop_set(request.stop_token_ids, request.ignore_eos, info.target.eos_token_ids)
@@ -180,7 +181,7 @@ class Planner:
 
     def setting(self) -> tuple[int, int]:
         """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""
-        if self.tuner is None:
+        if not self.request.adaptive:
             return self.request.gamma, self.request.pipeline
         return self.tuner.choose(self.request.gamma, self.request.pipeline, self.max_gamma)
 
@@ -218,9 +219,13 @@ class Planner:
             self.stats.stale_rounds += 1
             return []
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
-        if self.tuner is not None:
-            self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
-            self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
+        self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
+        self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
+        after = self.in_flight[0] if self.in_flight else self.drafted
+        bonus = verdict.target_token_id
+        if verdict.accepted == len(sent.draft) and bonus is not None and after and after.assumed:
+            if after.prefix[:-1] == [*sent.prefix, *sent.draft]:  # drafted on top of `sent`: it guessed
+                self.tuner.observe_guess(len(sent.draft), after.assumed[-1] == bonus)
         self.committed += new
         self.stats.rounds += 1
         self.stats.draft_tokens += len(sent.draft)

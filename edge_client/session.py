@@ -182,7 +182,7 @@ class EdgeSession:
                     if (job := plan.next_draft()) is not None:
                         drafted_s = stats.draft_s
                         tokens = await self._draft(job, request.sampling, plan.stops, stats)
-                        if tuner is not None and not prefilling:
+                        if not prefilling:
                             tuner.observe_draft(len(tokens), stats.draft_s - drafted_s)
                         prefilling = False
                         plan.add_draft(job, tokens)
@@ -196,10 +196,7 @@ class EdgeSession:
                 new = plan.apply(verdict)
                 if not verdict.stale:
                     stats.round_s.append(time.perf_counter() - sent_at.pop(verdict.round))
-                    if tuner is not None:
-                        tuner.observe_round(
-                            stats.round_s[-1], verdict.verify_seconds, queued.pop(verdict.round)
-                        )
+                    tuner.observe_round(stats.round_s[-1], verdict.verify_seconds, queued.pop(verdict.round))
                 if new:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at
