@@ -31,5 +31,7 @@ def test_adaptive_bench_smoke(tmp_path):
     assert set(report["overall"]["fixed"]) == {"1,0", "1,1", "3,0", "3,1"}
     assert len(report["exact"]) == 4 * 5 and all(report["exact"].values())
     assert all("adaptive (ended at γ" in r["label"] for r in report["rows"] if r["pipeline"] == -1)
+    assert all(r["model_tokens_per_s"] > 0 for r in report["rows"] if r["arm"] in "cd")
     table = (out / "adaptive.md").read_text()
     assert "every output equals the target alone's" in table and "beats every fixed setting" in table
+    assert "Model check" in table and "| 5 | sampled |" in table

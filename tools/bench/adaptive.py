@@ -21,8 +21,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import grpc
+
 from edge_client.drafter import DrafterConfig, LlamaDrafter
-from tools.bench.speed import BenchConfig, Row, RowRun, _route
+from edge_client.session import EdgeSession, GenerationRequest
+from tools.bench.speed import BenchConfig, Row, RowRun, _route, params_for
 from tools.testkit.serverproc import ServerProcess
 
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
@@ -54,13 +57,21 @@ async def run_all(config: BenchConfig, log=print) -> dict:
 async def _interleaved(config, drafter, address, upstream, mode, rtt, settings) -> list[Row]:
     """One point's rows, taking turns prompt by prompt: each setting keeps its own edge session (the
     adaptive one its tuner) across the prompts, and the order rotates from prompt to prompt, so a burst
-    of load falls on every setting alike and none always runs first."""
+    of load falls on every setting alike and none always runs first.
+
+    Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache and the
+    verifier's prefix cache. Without it the turn's first row paid both prefills (about 200 ms of
+    llama.cpp on one core for a 40-token chat prompt) and every later row reused them: the first row of
+    the first prompt, the adaptive one, paid them at every point."""
     async with contextlib.AsyncExitStack() as stack:
         runs = [
             await stack.enter_async_context(RowRun(config, drafter, address, upstream, mode, g, rtt, d))
             for g, d in settings
         ]
+        warm = EdgeSession(await stack.enter_async_context(grpc.aio.insecure_channel(upstream)), drafter)
         for i in range(len(config.prompts)):
+            prefill = GenerationRequest(config.prompts[i], params_for(mode, config, i), 1, 1, pipeline=0)
+            await warm.run(prefill)
             turn = i % len(runs)
             for run in runs[turn:] + runs[:turn]:
                 await run.prompt(i)
@@ -168,9 +179,39 @@ def markdown(report: dict) -> str:
         f" (best fixed {o['best_fixed_by_sum']}), by geometric mean "
         f"{'yes' if o['beats_every_fixed_by_geomean'] else 'no'} (best fixed {o['best_fixed_by_geomean']})",
     ]
+    lines += ["", *model_check(report["rows"])]
     bad = [k for k, ok in report["exact"].items() if not ok]
     lines.append("every output equals the target alone's" if not bad else f"outputs differing: {bad}")
     return "\n".join(lines)
+
+
+def model_check(rows: list[dict]) -> list[str]:
+    """Measured tokens/s over the tuner's prediction for each row's setting (the tuner learns from fixed
+    rows too), a column per setting: where the model is off, and whether it is off alike everywhere."""
+    rows = [r for r in rows if r.get("model_tokens_per_s")]
+    if not rows:
+        return []
+    settings = sorted({(r["gamma"], r["pipeline"]) for r in rows if r["pipeline"] >= 0})
+    head = ["RTT ms", "mode", "adaptive", *(f"{g},{d}" for g, d in settings)]
+    lines = [
+        "Model check: measured tokens/s over the tuner's prediction for the row's (last) setting "
+        "(γ,depth columns).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for rtt, mode in dict.fromkeys((r["rtt_ms"], r["mode"]) for r in rows):
+        here = {
+            (r["gamma"], r["pipeline"]) if r["pipeline"] >= 0 else "a": r
+            for r in rows
+            if r["rtt_ms"] == rtt and r["mode"] == mode
+        }
+        cells = [
+            f"{here[k]['tokens_per_s'] / here[k]['model_tokens_per_s']:.2f}" if k in here else ""
+            for k in ["a", *settings]
+        ]
+        lines.append(f"| {rtt:g} | {mode} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ import grpc
 from draftwire.contract import SamplingParams
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from edge_client.adaptive import tokens_per_second
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.figures import percentile
@@ -75,6 +76,7 @@ class Row:
     verify_ms_per_round: float | None = None
     wire_ms_per_round: float | None = None  # send-to-verdict time not spent verifying
     stale_per_round: float | None = None  # pipelined proposals that came back stale, per verified round
+    model_tokens_per_s: float | None = None  # what the edge's tuner predicted for the row's (final) setting
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     bound_tokens_per_s: float | None = None  # zero_overhead_bound
     share_of_bound: float | None = None  # tokens/s over the bound
@@ -177,10 +179,13 @@ class RowRun:
         self._engine_s += after.engine_seconds - before.engine_seconds
 
     def row(self) -> Row:
-        row, all_stats, gamma = self._row, self._stats, self.gamma
+        row, all_stats, gamma, tuner = self._row, self._stats, self.gamma, self.session.tuner
+        setting = (gamma, self.pipeline)
         if gamma is None or self.pipeline is None:
-            (g, d), moves = self.session.tuner.choice, self.session.tuner.moves
-            row.label += f", adaptive (ended at γ {g}, depth {d}; {moves} moves)"
+            setting = tuner.choice
+            row.label += f", adaptive (ended at γ {setting[0]}, depth {setting[1]}; {tuner.moves} moves)"
+        # The tuner learns from fixed rows too: its model's figure beside the measured one tests the model.
+        row.model_tokens_per_s = tokens_per_second(tuner.estimates(), *setting)
         rounds = sum(s.rounds for s in all_stats)
         row.tokens = sum(map(len, row.outputs))
         row.wall_s = sum(s.wall_s for s in all_stats)
