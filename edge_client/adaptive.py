@@ -1,15 +1,18 @@
 """Adaptive speculation: the γ and pipeline depth that promise the most committed tokens per second,
 chosen online from what the edge measures. Pure: no clock, no I/O; the transport passes the figures in.
 
-What is measured, each smoothed exponentially (weight `smoothing` for a new figure):
+What is measured, each smoothed exponentially (weight `smoothing` for a new figure, the acceptance
+counts `acceptance_smoothing`):
   α_i     acceptance of draft position i given positions 0..i-1 accepted (decayed counts, shrunk to
-          the pooled rate, so a position seldom reached borrows from the others: i.i.d.-ish). A round of
+          the pooled rate, so a position seldom reached borrows from the others: i.i.d.-ish; every
+          position's counts decay each round, so one not reached lately fades back to it). A round of
           γ tokens judges positions up to γ - 1; when all γ are accepted, a pipelined successor's guess
           of the bonus (the draft's token γ) judges position γ.
   D(n)    seconds to draft n tokens (one drafter call); V(n) seconds of the verifier's forward over n
           positions (Verdict.verify_seconds): each a line, fitted over the sizes seen so far.
-  R       round trip: send to verdict, less the verify time. Only a proposal sent with nothing in
-          flight measures it; one queued behind others only bounds it from above.
+  R       round trip: send to the verdict's arrival (not to when the edge, busy drafting, reads it),
+          less the verify time. Only a proposal sent with nothing in flight measures it; one queued
+          behind others only bounds it from above.
 
 The model, for γ draft tokens a proposal and depth d (proposals sent ahead of their verdicts):
   E(γ)   = Σ_{k=0..γ} Π_{i<k} α_i          committed tokens a verified round (accepted + 1)
@@ -42,7 +45,9 @@ from dataclasses import dataclass, field
 class TunerConfig:
     max_gamma: int = 8  # largest γ considered (the verifier's max_gamma caps it further)
     max_depth: int = 3  # deepest pipeline considered
-    smoothing: float = 0.1  # weight of a new figure in every running estimate
+    smoothing: float = 0.1  # weight of a new figure in the cost and round-trip estimates
+    acceptance_smoothing: float = 0.05  # decay of the acceptance counts a round (rejections are rare
+    # where acceptance is high: a shorter memory swings γ on a few of them)
     margin: float = 0.05  # a move must promise this share more tokens/s than staying
     dwell: int = 4  # verified rounds between moves
     warmup: int = 3  # verified rounds before the first move
@@ -206,6 +211,11 @@ class Tuner:
         """A verified round of `draft_tokens` of which the first `accepted` were accepted; `cut`: the
         round ended by a finish, so the position after the accepted ones was not judged."""
         judged = accepted + (0 if cut or accepted >= draft_tokens else 1)
+        # Every position's counts decay each round, judged or not: what a position not reached lately
+        # (γ moved below it) once showed fades, and it borrows the pooled rate again.
+        decay = 1 - self.config.acceptance_smoothing
+        self._accepted = [decay * a for a in self._accepted]
+        self._reached = [decay * n for n in self._reached]
         for i in range(judged):
             self._judge(i, i < accepted)
         self.rounds += 1
@@ -218,9 +228,8 @@ class Tuner:
 
     def _judge(self, position: int, accepted: bool) -> None:
         if position < len(self._reached):
-            decay = 1 - self.config.smoothing
-            self._accepted[position] = decay * self._accepted[position] + accepted
-            self._reached[position] = decay * self._reached[position] + 1
+            self._accepted[position] += accepted
+            self._reached[position] += 1
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         """One drafter call that drafted `tokens` (the guessed bonus included)."""

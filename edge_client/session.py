@@ -194,9 +194,13 @@ class EdgeSession:
                         )
                     verdict = await inbox.get(self.timeouts.verdict_s)
                 new = plan.apply(verdict)
+                # From the send to the verdict's arrival, not to now: the loop may have been drafting
+                # when it came, and that wait is no part of the round trip.
+                arrived = inbox.arrived.pop(verdict.round, time.perf_counter())
+                round_s, was_queued = arrived - sent_at.pop(verdict.round), queued.pop(verdict.round)
                 if not verdict.stale:
-                    stats.round_s.append(time.perf_counter() - sent_at.pop(verdict.round))
-                    tuner.observe_round(stats.round_s[-1], verdict.verify_seconds, queued.pop(verdict.round))
+                    stats.round_s.append(round_s)
+                    tuner.observe_round(round_s, verdict.verify_seconds, was_queued)
                 if new:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at
@@ -320,6 +324,7 @@ class _Inbox:
 
     def __init__(self, call, stats: GenerationStats):
         self.opened = False  # the verifier answered the open message
+        self.arrived: dict[int, float] = {}  # round -> when its verdict arrived (perf_counter)
         self.stats = stats
         self._queue: asyncio.Queue[Verdict | VerifierError] = asyncio.Queue()
         self._reader = asyncio.get_running_loop().create_task(self._read(call))
@@ -357,7 +362,9 @@ class _Inbox:
                 kind = message.WhichOneof("kind")
                 if kind == "verdict":
                     self.stats.wire_bytes += message.verdict.ByteSize()
-                    self._queue.put_nowait(wire.verdict_from_proto(message.verdict))
+                    verdict = wire.verdict_from_proto(message.verdict)
+                    self.arrived[verdict.round] = time.perf_counter()
+                    self._queue.put_nowait(verdict)
                 elif kind == "opened":
                     self.opened = True
                     self.stats.reused_positions = message.opened.reused_positions

@@ -294,3 +294,16 @@ def test_the_model_predicts_the_planners_tokens_per_second(rtt_ms):
     }
     assert sum(map(abs, off.values())) / len(off) < 0.035, off
     assert max(map(abs, off.values())) < 0.11, off
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("rtt_ms", [1.5, 11.5, 31.5, 81.5])
+@pytest.mark.parametrize("alpha", [0.6, 0.8, 0.95])
+def test_the_adaptive_policy_nears_the_best_fixed_setting_on_the_timeline(draft, rtt_ms, alpha):
+    """The whole policy, estimates and hysteresis included, fed what EdgeSession feeds it: a fresh
+    tuner from its start over 1000 tokens, against every fixed (γ 1-8, depth 0-2) on the same
+    timeline. Measured over the 24 conditions: 0.940 of the best at worst, 0.983 on average."""
+    costs = timeline_costs(draft, rtt_ms)
+    best = max(timeline.tokens_per_second(costs, alpha, g, d, 1000) for g in GAMMAS for d in (0, 1, 2))
+    adaptive = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=Tuner())
+    assert adaptive >= 0.93 * best

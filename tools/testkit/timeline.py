@@ -2,15 +2,18 @@
 drives it (a waiting verdict first, then a drafted proposal to send, then a draft, else wait), against
 the fake verifier, with given costs for drafting, the wire and the verifier's forwards. What it measures
 is what the planner's pipelining does with those costs, free of any machine's noise: the ground truth
-that edge_client.adaptive's model of tokens per second is tested against. Torch-free.
+that edge_client.adaptive's model of tokens per second is tested against, and, with a Tuner choosing,
+the whole adaptive policy (its estimates, the model and the hysteresis). Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
-from draftwire.contract import ModelInfo
+from draftwire.contract import ModelInfo, Verdict
+from edge_client.adaptive import Tuner
 from edge_client.planner import GenerationRequest, Planner
 from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info
 
@@ -30,10 +33,18 @@ class Costs:
 
 
 def tokens_per_second(
-    costs: Costs, acceptance: float, gamma: int, depth: int, tokens: int = 1000, seed: int = 0
+    costs: Costs,
+    acceptance: float,
+    gamma: int | None,
+    depth: int | None,
+    tokens: int = 1000,
+    seed: int = 0,
+    tuner: Tuner | None = None,
 ) -> float:
     """Committed tokens per virtual second of one generation of `tokens` at (γ, depth), each draft
-    token (and each guessed bonus) right with probability `acceptance`, independently."""
+    token (and each guessed bonus) right with probability `acceptance`, independently. A γ or depth of
+    None is the tuner's to choose, fed what EdgeSession feeds it: each draft call's time but the
+    first's, each verdict's forward and its round trip."""
     rng = random.Random(seed)
     prompt = [5, 6, 7]
 
@@ -45,29 +56,37 @@ def tokens_per_second(
         fake_info(max_context=len(prompt) + tokens + 64), max_gamma=16, max_message_bytes=1 << 20
     )
     request = GenerationRequest(prompt, max_new_tokens=tokens, gamma=gamma, ignore_eos=True, pipeline=depth)
-    plan = Planner(request, info)
+    plan = Planner(request, info, tuner=tuner)
     verifier, drafter = (
         FakeVerifier(request.spec(), max_context=info.target.max_context),
         MistakenDrafter(wrong),
     )
     now = server_free = 0.0
-    coming: list[tuple[float, object]] = []  # (arrival at the edge, verdict), in order
+    coming: list[tuple[float, float, bool, Verdict]] = []  # (arrival at the edge, send, queued, verdict)
+    first_draft = True
     while not plan.finished:
         if coming and coming[0][0] <= now:
-            plan.apply(coming.pop(0)[1])
+            arrived, sent, queued, verdict = coming.pop(0)
+            plan.apply(verdict)
+            if not verdict.stale:  # timed at its arrival, as EdgeSession's inbox does
+                plan.tuner.observe_round(arrived - sent, verdict.verify_seconds, queued)
         elif (proposal := plan.next_proposal()) is not None:
             verdict = verifier.answer(proposal)
-            forward = (
-                0.0
-                if verdict.stale
-                else costs.verify_fixed + costs.verify_position * (len(proposal.draft_token_ids) + 1)
-            )
-            server_free = max(now + scaled(costs.rtt / 2), server_free) + scaled(forward)
-            coming.append((server_free + scaled(costs.rtt / 2), verdict))
+            forward = 0.0
+            if not verdict.stale:
+                positions = len(proposal.draft_token_ids) + 1
+                forward = scaled(costs.verify_fixed + costs.verify_position * positions)
+            server_free = max(now + scaled(costs.rtt / 2), server_free) + forward
+            verdict = dataclasses.replace(verdict, verify_seconds=forward)
+            coming.append((server_free + scaled(costs.rtt / 2), now, len(plan.in_flight) > 1, verdict))
         elif (job := plan.next_draft()) is not None:
-            tokens_drafted = drafter.propose(job.base, job.gamma, request.sampling, plan.stops)
-            now += scaled(costs.draft_fixed + costs.draft_token * job.gamma)
-            plan.add_draft(job, tokens_drafted)
+            drafted = drafter.propose(job.base, job.gamma, request.sampling, plan.stops)
+            seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma)
+            now += seconds
+            if not first_draft:  # as EdgeSession: the first call also prefills the prompt
+                plan.tuner.observe_draft(len(drafted), seconds)
+            first_draft = False
+            plan.add_draft(job, drafted)
         else:
             now = max(now, coming[0][0])
     return plan.stats.generated_tokens / now
