@@ -75,7 +75,7 @@ class GenerationStats:
     batched_with: int = 0  # sum over rounds of the sessions that shared the round's forward pass
     wall_s: float = 0.0
     draft_s: float = 0.0  # time spent drafting on the edge
-    round_s: list[float] = field(default_factory=list)  # send to verdict, per verified round
+    round_s: list[float] = field(default_factory=list)  # send to the verdict's arrival, per verified round
     resumes: int = 0  # streams re-opened with the committed tokens after UNAVAILABLE
     wire_bytes: int = 0  # serialized protobuf payload sent and received (no HTTP/2 framing)
 
@@ -114,6 +114,8 @@ class InFlight:
     draft: list[int]
     final: bool  # its verdict may finish the session: nothing is drafted on top of it
     round: int = 0  # set when sent
+    queued: bool = False  # sent while others were in flight: it may wait behind their forwards
+    sent_s: float | None = None  # when it was sent (the transport's clock), if the transport says
 
     def builds_on(self, committed: Sequence[int]) -> bool:
         """Whether it is still live: what it assumes agrees with the `committed` sequence."""
@@ -156,6 +158,7 @@ class Planner:
         self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
         self.finished = False
         self._blocked = -1  # a base length whose guess was a stop token: wait for verdicts there
+        self._first_draft = True  # the stream's first drafter call, which also feeds it the prompt
         self._rounds = itertools.count(1)
 
     @property
@@ -185,9 +188,16 @@ class Planner:
             return self.request.gamma, self.request.pipeline
         return self.tuner.choose(self.request.gamma, self.request.pipeline, self.max_gamma)
 
-    def add_draft(self, job: DraftJob, tokens: list[int]) -> None:
+    def add_draft(self, job: DraftJob, tokens: list[int], seconds: float | None = None) -> None:
         """Takes the drafter's tokens for `job`; a guess that is a stop token is not sent (nothing
-        follows a stop), and the planner waits for verdicts at that base instead."""
+        follows a stop), and the planner waits for verdicts at that base instead.
+
+        `seconds`: how long the drafter took, for the tuner; the first call is not counted, as it also
+        fed the drafter the prompt (or a resume's committed tokens), a prefill that would teach the tuner
+        that drafts cost the same whatever their length."""
+        if seconds is not None and not self._first_draft:
+            self.tuner.observe_draft(len(tokens), seconds)
+        self._first_draft = False
         assumed, draft = (tokens[:1], tokens[1:]) if job.assumes else ([], tokens)
         if not draft or any(t in self.stops for t in assumed):
             self._blocked = len(job.base)
@@ -195,19 +205,23 @@ class Planner:
         prefix = [*job.base, *assumed]
         self.drafted = InFlight(prefix, assumed, draft, self._final(prefix, draft))
 
-    def next_proposal(self) -> Proposal | None:
+    def next_proposal(self, now: float | None = None) -> Proposal | None:
         """The drafted proposal, numbered and counted in flight, if it still builds on the committed
-        sequence; a drafted proposal that a verdict refuted meanwhile is dropped."""
+        sequence; a drafted proposal that a verdict refuted meanwhile is dropped. `now`: the time it is
+        sent, on the clock that apply's `arrived` uses."""
         drafted, self.drafted = self.drafted, None
         if drafted is None or not drafted.builds_on(self.committed):
             return None
         drafted.round = next(self._rounds)
-        self.stats.sent_ahead += bool(self.in_flight)
+        drafted.queued, drafted.sent_s = bool(self.in_flight), now
+        self.stats.sent_ahead += drafted.queued
         self.in_flight.append(drafted)
         return Proposal(drafted.round, len(drafted.prefix), tuple(drafted.draft), tuple(drafted.assumed))
 
-    def apply(self, verdict: Verdict) -> list[int]:
+    def apply(self, verdict: Verdict, arrived: float | None = None) -> list[int]:
         """Commits the verdict of the oldest proposal in flight; returns the tokens it adds.
+        `arrived`: when the verdict arrived (not when the transport, maybe busy drafting, reads it):
+        with the proposal's send, the round's time, for the stats and the tuner's round trip.
 
         Raises BadVerdict when it does not answer that proposal (see check_verdict).
         """
@@ -221,6 +235,9 @@ class Planner:
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
         self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
+        if arrived is not None and sent.sent_s is not None:
+            self.stats.round_s.append(arrived - sent.sent_s)
+            self.tuner.observe_round(self.stats.round_s[-1], verdict.verify_seconds, sent.queued)
         after = self.in_flight[0] if self.in_flight else self.drafted
         bonus = verdict.target_token_id
         if verdict.accepted == len(sent.draft) and bonus is not None and after and after.assumed:

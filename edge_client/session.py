@@ -157,24 +157,15 @@ class EdgeSession:
     ) -> AsyncIterator[list[int]]:
         """One Session stream, from open to finish: the edge's round loop."""
         plan = Planner(request, await self.model_info(), generated, stats, self.tuner)
-        tuner = plan.tuner
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
-        sent_at: dict[int, float] = {}
-        queued: dict[int, bool] = {}  # sent while others were in flight: may wait behind them
-        # The stream's first draft also feeds the drafter the prompt (or a resume's committed tokens): its
-        # time is mostly that prefill, not drafting, and would teach the tuner that drafts cost the same
-        # whatever their length, so it is not counted.
-        prefilling = True
         try:
             await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated)), stats)
             while not plan.finished:
                 verdict = inbox.get_nowait()
                 if verdict is None:
                     # No verdict waiting: send what was drafted if no verdict refuted it meanwhile...
-                    if (proposal := plan.next_proposal()) is not None:
-                        sent_at[proposal.round] = time.perf_counter()
-                        queued[proposal.round] = len(plan.in_flight) > 1
+                    if (proposal := plan.next_proposal(time.perf_counter())) is not None:
                         message = pb.EdgeMessage(proposal=wire.proposal_to_proto(proposal))
                         await self._write(call, message, stats)
                         continue
@@ -182,10 +173,7 @@ class EdgeSession:
                     if (job := plan.next_draft()) is not None:
                         drafted_s = stats.draft_s
                         tokens = await self._draft(job, request.sampling, plan.stops, stats)
-                        if not prefilling:
-                            tuner.observe_draft(len(tokens), stats.draft_s - drafted_s)
-                        prefilling = False
-                        plan.add_draft(job, tokens)
+                        plan.add_draft(job, tokens, stats.draft_s - drafted_s)
                         continue
                     # ...else wait for the oldest proposal's verdict.
                     if not plan.in_flight:
@@ -193,14 +181,8 @@ class EdgeSession:
                             grpc.StatusCode.INTERNAL, "no verdict awaited and nothing to draft"
                         )
                     verdict = await inbox.get(self.timeouts.verdict_s)
-                new = plan.apply(verdict)
-                # From the send to the verdict's arrival, not to now: the loop may have been drafting
-                # when it came, and that wait is no part of the round trip.
-                arrived = inbox.arrived.pop(verdict.round, time.perf_counter())
-                round_s, was_queued = arrived - sent_at.pop(verdict.round), queued.pop(verdict.round)
-                if not verdict.stale:
-                    stats.round_s.append(round_s)
-                    tuner.observe_round(round_s, verdict.verify_seconds, was_queued)
+                # Timed to its arrival, not to now: the loop may have been drafting when it came.
+                new = plan.apply(verdict, inbox.arrived.pop(verdict.round, None))
                 if new:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at

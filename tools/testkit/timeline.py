@@ -43,8 +43,8 @@ def tokens_per_second(
 ) -> float:
     """Committed tokens per virtual second of one generation of `tokens` at (γ, depth), each draft
     token (and each guessed bonus) right with probability `acceptance`, independently. A γ or depth of
-    None is the tuner's to choose, fed what EdgeSession feeds it: each draft call's time but the
-    first's, each verdict's forward and its round trip."""
+    None is the tuner's to choose, fed through the planner as EdgeSession feeds it: each draft call's
+    time, each verdict's forward and its round trip."""
     rng = random.Random(seed)
     prompt = [5, 6, 7]
 
@@ -62,15 +62,12 @@ def tokens_per_second(
         MistakenDrafter(wrong),
     )
     now = server_free = 0.0
-    coming: list[tuple[float, float, bool, Verdict]] = []  # (arrival at the edge, send, queued, verdict)
-    first_draft = True
+    coming: list[tuple[float, Verdict]] = []  # (arrival at the edge, verdict), in order
     while not plan.finished:
         if coming and coming[0][0] <= now:
-            arrived, sent, queued, verdict = coming.pop(0)
-            plan.apply(verdict)
-            if not verdict.stale:  # timed at its arrival, as EdgeSession's inbox does
-                plan.tuner.observe_round(arrived - sent, verdict.verify_seconds, queued)
-        elif (proposal := plan.next_proposal()) is not None:
+            arrived, verdict = coming.pop(0)
+            plan.apply(verdict, arrived)  # timed at its arrival, as EdgeSession's inbox does
+        elif (proposal := plan.next_proposal(now)) is not None:
             verdict = verifier.answer(proposal)
             forward = 0.0
             if not verdict.stale:
@@ -78,15 +75,12 @@ def tokens_per_second(
                 forward = scaled(costs.verify_fixed + costs.verify_position * positions)
             server_free = max(now + scaled(costs.rtt / 2), server_free) + forward
             verdict = dataclasses.replace(verdict, verify_seconds=forward)
-            coming.append((server_free + scaled(costs.rtt / 2), now, len(plan.in_flight) > 1, verdict))
+            coming.append((server_free + scaled(costs.rtt / 2), verdict))
         elif (job := plan.next_draft()) is not None:
             drafted = drafter.propose(job.base, job.gamma, request.sampling, plan.stops)
             seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma)
             now += seconds
-            if not first_draft:  # as EdgeSession: the first call also prefills the prompt
-                plan.tuner.observe_draft(len(drafted), seconds)
-            first_draft = False
-            plan.add_draft(job, drafted)
+            plan.add_draft(job, drafted, seconds)
         else:
             now = max(now, coming[0][0])
     return plan.stats.generated_tokens / now
