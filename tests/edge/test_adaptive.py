@@ -19,7 +19,7 @@ from edge_client.adaptive import (
 )
 from edge_client.planner import GenerationRequest, Planner
 from tools.testkit import timeline
-from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info, target_continuation
+from tools.testkit.fakes import FakeVerifier, MistakenDrafter, drive, fake_info, target_continuation
 
 GAMMAS, DEPTHS = range(1, 9), range(0, 4)
 MS = 1e-3
@@ -239,15 +239,7 @@ def test_a_pipelined_plan_teaches_the_tuner_its_guesses_of_the_bonus():
     position γ + 1 (never judged: the pooled rate)."""
     tuner = Tuner()
     request = GenerationRequest(PROMPT, max_new_tokens=60, gamma=2, ignore_eos=True, pipeline=1)
-    plan = Planner(request, INFO, tuner=tuner)
-    verifier, drafter, waiting = FakeVerifier(request.spec()), MistakenDrafter(()), []
-    while not plan.finished:
-        if (proposal := plan.next_proposal()) is not None:
-            waiting.append(verifier.answer(proposal))
-        elif (job := plan.next_draft()) is not None:
-            plan.add_draft(job, drafter.propose(job.base, job.gamma, request.sampling, plan.stops))
-        else:
-            plan.apply(waiting.pop(0))
+    plan, _ = drive(request, INFO, MistakenDrafter(()), lag=60, tuner=tuner)  # verdicts when it must wait
     assert plan.stats.sent_ahead > 5
     alpha = tuner.acceptance()
     assert alpha[2] > alpha[3] + 0.01 and alpha[3] == alpha[4]

@@ -3,50 +3,28 @@
 Torch-free: CI runs these in the edge-only environment too.
 """
 
-import collections
-
 import pytest
 
 from draftwire.contract import ModelInfo
 from edge_client.planner import BadVerdict, GenerationRequest, Planner
-from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info, target_continuation
+from tools.testkit.fakes import FakeVerifier, MistakenDrafter, drive, fake_info, target_continuation
 
 PROMPT = (5, 9, 12)
 INFO = ModelInfo(fake_info(), max_gamma=8, max_message_bytes=1 << 20)
-
-
-def drive(request: GenerationRequest, drafter: MistakenDrafter, lag: int = 0, generated=()):
-    """The transport's loop without a network: a proposal reaches the verifier at once, and its verdict
-    reaches the planner only once `lag` later proposals were sent (or when the planner must wait)."""
-    plan = Planner(request, INFO, generated)
-    verifier = FakeVerifier(request.spec(generated))
-    on_the_way: collections.deque = collections.deque()
-    sent = []
-    while not plan.finished:
-        if len(on_the_way) > lag:
-            plan.apply(on_the_way.popleft())
-        elif (proposal := plan.next_proposal()) is not None:
-            sent.append(proposal)
-            on_the_way.append(verifier.answer(proposal))
-        elif (job := plan.next_draft()) is not None:
-            plan.add_draft(job, drafter.propose(job.base, job.gamma, request.sampling, plan.stops))
-        else:
-            plan.apply(on_the_way.popleft())
-    return plan, sent
 
 
 @pytest.mark.parametrize("pipeline, lag", [(0, 0), (1, 1), (2, 2), (3, 1)])
 @pytest.mark.parametrize("wrong", [(), (4, 11, 12, 30), tuple(range(3, 60, 3))])
 def test_the_output_is_the_targets_whatever_the_pipeline_and_the_draft(pipeline, lag, wrong):
     request = GenerationRequest(PROMPT, max_new_tokens=40, gamma=4, ignore_eos=True, pipeline=pipeline)
-    plan, sent = drive(request, MistakenDrafter(wrong), lag)
+    plan, sent = drive(request, INFO, MistakenDrafter(wrong), lag)
     assert plan.committed == [*PROMPT, *target_continuation(PROMPT, 40)]
     assert [p.round for p in sent] == list(range(1, len(sent) + 1))
 
 
 def test_a_perfect_draft_pipelined_sends_ahead_and_nothing_is_stale():
     request = GenerationRequest(PROMPT, max_new_tokens=40, gamma=4, ignore_eos=True, pipeline=2)
-    plan, sent = drive(request, MistakenDrafter(), lag=2)
+    plan, sent = drive(request, INFO, MistakenDrafter(), lag=2)
     assert plan.stats.sent_ahead > 0 and plan.stats.stale_rounds == 0
     assert plan.stats.accepted_tokens == plan.stats.draft_tokens
     assert any(p.assumed_token_ids for p in sent)  # each builds on the guess of the bonus before it
@@ -54,13 +32,13 @@ def test_a_perfect_draft_pipelined_sends_ahead_and_nothing_is_stale():
 
 def test_a_rejection_makes_the_proposals_built_on_it_stale():
     request = GenerationRequest(PROMPT, max_new_tokens=40, gamma=4, ignore_eos=True, pipeline=2)
-    plan, _ = drive(request, MistakenDrafter(wrong=(5,)), lag=2)
+    plan, _ = drive(request, INFO, MistakenDrafter(wrong=(5,)), lag=2)
     assert plan.stats.stale_rounds >= 1
 
 
 def test_without_pipelining_nothing_is_sent_ahead():
     request = GenerationRequest(PROMPT, max_new_tokens=20, gamma=3, ignore_eos=True)
-    plan, sent = drive(request, MistakenDrafter(wrong=(7,)), lag=0)
+    plan, sent = drive(request, INFO, MistakenDrafter(wrong=(7,)), lag=0)
     assert plan.stats.sent_ahead == 0 and plan.stats.stale_rounds == 0
     assert all(not p.assumed_token_ids for p in sent)
 
@@ -70,7 +48,7 @@ def test_the_budget_is_met_exactly_and_no_proposal_starts_past_it(max_new_tokens
     request = GenerationRequest(
         PROMPT, max_new_tokens=max_new_tokens, gamma=gamma, ignore_eos=True, pipeline=1
     )
-    plan, sent = drive(request, MistakenDrafter(), lag=1)
+    plan, sent = drive(request, INFO, MistakenDrafter(), lag=1)
     assert len(plan.committed) - len(PROMPT) == max_new_tokens
     assert all(p.start_position < len(PROMPT) + max_new_tokens for p in sent)
 
@@ -78,7 +56,7 @@ def test_the_budget_is_met_exactly_and_no_proposal_starts_past_it(max_new_tokens
 def test_resuming_starts_from_the_committed_tokens():
     generated = target_continuation(PROMPT, 6)
     request = GenerationRequest(PROMPT, max_new_tokens=12, gamma=4, ignore_eos=True)
-    plan, sent = drive(request, MistakenDrafter(), generated=generated)
+    plan, sent = drive(request, INFO, MistakenDrafter(), generated=generated)
     assert sent[0].start_position == len(PROMPT) + 6
     assert plan.committed == [*PROMPT, *target_continuation(PROMPT, 12)]
 
@@ -86,7 +64,7 @@ def test_resuming_starts_from_the_committed_tokens():
 def test_a_stop_token_finishes_and_a_guessed_stop_is_never_built_on():
     stop = target_continuation(PROMPT, 10)[6]
     request = GenerationRequest(PROMPT, max_new_tokens=40, gamma=2, stop_token_ids=(stop,), pipeline=3)
-    plan, sent = drive(request, MistakenDrafter(), lag=3)
+    plan, sent = drive(request, INFO, MistakenDrafter(), lag=3)
     assert plan.committed[-1] == stop and len(plan.committed) == len(PROMPT) + 7
     assert all(stop not in p.assumed_token_ids for p in sent)
 

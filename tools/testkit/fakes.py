@@ -7,6 +7,7 @@ writes; its logits are peaked there and spread elsewhere, so sampling has someth
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from draftwire.contract import (
 )
 from draftwire.rules import commit_round
 from draftwire.vocab import Vocabulary
+from edge_client.planner import Planner
 
 VOCAB = 64
 EOS = 1
@@ -171,3 +173,26 @@ class Paced:
     def propose(self, *args, **kwargs):
         time.sleep(self.delay_s)
         return self.inner.propose(*args, **kwargs)
+
+
+def drive(
+    request, info, drafter: MistakenDrafter, lag: int = 0, generated=(), tuner=None
+) -> tuple[Planner, list]:
+    """The transport's loop without a network, for the planner's tests: a proposal reaches the fake
+    verifier at once, and its verdict reaches the planner only once `lag` later proposals were sent (or
+    when the planner must wait). Returns the planner and the proposals sent."""
+    plan = Planner(request, info, generated, tuner=tuner)
+    verifier = FakeVerifier(request.spec(generated))
+    on_the_way: collections.deque = collections.deque()
+    sent = []
+    while not plan.finished:
+        if len(on_the_way) > lag:
+            plan.apply(on_the_way.popleft())
+        elif (proposal := plan.next_proposal()) is not None:
+            sent.append(proposal)
+            on_the_way.append(verifier.answer(proposal))
+        elif (job := plan.next_draft()) is not None:
+            plan.add_draft(job, drafter.propose(job.base, job.gamma, request.sampling, plan.stops))
+        else:
+            plan.apply(on_the_way.popleft())
+    return plan, sent
