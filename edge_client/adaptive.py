@@ -40,6 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftwire.speculation import AcceptanceCounts, CostLine, expected_tokens
+
+__all__ = ["CostLine", "Estimates", "Tuner", "TunerConfig", "expected_tokens", "tokens_per_second"]
+
 
 @dataclass(frozen=True)
 class TunerConfig:
@@ -59,52 +63,6 @@ class TunerConfig:
     fixed_share_verify: float = 0.5  # share of a forward not growing with its positions, until fitted
 
 
-class CostLine:
-    """Seconds against a size (tokens drafted, positions verified): a running average per size seen,
-    and a weighted line through them; with one size seen, a line with the given fixed share."""
-
-    def __init__(self, smoothing: float, fixed_share: float):
-        self.smoothing = smoothing
-        self.fixed_share = fixed_share
-        self.means: dict[int, float] = {}  # size -> smoothed seconds
-        self.counts: dict[int, int] = {}
-
-    def observe(self, size: int, seconds: float) -> None:
-        if size <= 0 or seconds < 0:
-            return
-        old = self.means.get(size)
-        # The first figures of a size are averaged plainly, then smoothed.
-        weight = max(self.smoothing, 1 / (self.counts.get(size, 0) + 1))
-        self.means[size] = seconds if old is None else old + weight * (seconds - old)
-        self.counts[size] = self.counts.get(size, 0) + 1
-
-    @property
-    def seen(self) -> bool:
-        return bool(self.means)
-
-    def line(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per unit), both >= 0; (0, 0) before any figure."""
-        if not self.means:
-            return 0.0, 0.0
-        weights = {n: min(c, 1 / self.smoothing) for n, c in self.counts.items()}
-        total = sum(weights.values())
-        mean_n = sum(w * n for n, w in weights.items()) / total
-        mean_s = sum(w * self.means[n] for n, w in weights.items()) / total
-        spread = sum(w * (n - mean_n) ** 2 for n, w in weights.items())
-        if spread > 0:
-            slope = sum(w * (n - mean_n) * (self.means[n] - mean_s) for n, w in weights.items()) / spread
-            slope = max(0.0, slope)
-            fixed = mean_s - slope * mean_n
-            if fixed >= 0:
-                return fixed, slope
-            return 0.0, mean_s / mean_n  # a line through the origin when the fit's intercept is negative
-        return self.fixed_share * mean_s, (1 - self.fixed_share) * mean_s / mean_n
-
-    def __call__(self, size: int) -> float:
-        fixed, slope = self.line()
-        return fixed + slope * size
-
-
 @dataclass(frozen=True)
 class Estimates:
     """What the model needs, as numbers: the tuner's current view, or a hand-built case in a test."""
@@ -121,16 +79,6 @@ class Estimates:
 
     def verify(self, gamma: int) -> float:
         return self.verify_fixed_s + self.verify_position_s * (gamma + 1)
-
-
-def expected_tokens(acceptance: tuple[float, ...], gamma: int) -> float:
-    """E(γ) = Σ_{k=0..γ} Π_{i<k} α_i: committed tokens of a verified round of γ draft tokens."""
-    total, reach = 0.0, 1.0
-    for k in range(gamma + 1):
-        total += reach
-        if k < gamma:
-            reach *= acceptance[k]
-    return total
 
 
 def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
@@ -199,8 +147,7 @@ class Tuner:
         c = self.config
         self.choice = (min(c.initial[0], c.max_gamma), min(c.initial[1], c.max_depth))
         size = c.max_gamma + 2  # positions 0..max_gamma (the last: the guessed bonus)
-        self._accepted = [0.0] * size  # decayed counts of acceptance by position
-        self._reached = [0.0] * size
+        self._acceptance = AcceptanceCounts(size, c.acceptance_smoothing, c.prior_acceptance, c.prior_weight)
         self.draft = CostLine(c.smoothing, c.fixed_share_draft)
         self.verify = CostLine(c.smoothing, c.fixed_share_verify)
         self._last_move = 0
@@ -210,26 +157,16 @@ class Tuner:
     def observe_verdict(self, draft_tokens: int, accepted: int, cut: bool) -> None:
         """A verified round of `draft_tokens` of which the first `accepted` were accepted; `cut`: the
         round ended by a finish, so the position after the accepted ones was not judged."""
-        judged = accepted + (0 if cut or accepted >= draft_tokens else 1)
         # Every position's counts decay each round, judged or not: what a position not reached lately
         # (γ moved below it) once showed fades, and it borrows the pooled rate again.
-        decay = 1 - self.config.acceptance_smoothing
-        self._accepted = [decay * a for a in self._accepted]
-        self._reached = [decay * n for n in self._reached]
-        for i in range(judged):
-            self._judge(i, i < accepted)
+        self._acceptance.round(draft_tokens, accepted, cut)
         self.rounds += 1
 
     def observe_guess(self, draft_tokens: int, right: bool) -> None:
         """A proposal of `draft_tokens` all accepted, and its pipelined successor's guess of the bonus
         token `right` or not: draft position `draft_tokens` judged (the guess is the draft's token there),
         which the round itself never judges and q(γ) needs."""
-        self._judge(draft_tokens, right)
-
-    def _judge(self, position: int, accepted: bool) -> None:
-        if position < len(self._reached):
-            self._accepted[position] += accepted
-            self._reached[position] += 1
+        self._acceptance.judge(draft_tokens, right)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         """One drafter call that drafted `tokens` (the guessed bonus included)."""
@@ -253,14 +190,7 @@ class Tuner:
 
     def acceptance(self) -> tuple[float, ...]:
         """α_i for every position: each position's decayed counts, shrunk towards the pooled rate."""
-        c = self.config
-        pooled = (sum(self._accepted) + c.prior_acceptance * c.prior_weight) / (
-            sum(self._reached) + c.prior_weight
-        )
-        return tuple(
-            (a + pooled * c.prior_weight) / (n + c.prior_weight)
-            for a, n in zip(self._accepted, self._reached, strict=True)
-        )
+        return self._acceptance.rates()
 
     def estimates(self) -> Estimates:
         draft_fixed, draft_token = self.draft.line()

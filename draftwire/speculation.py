@@ -1,0 +1,99 @@
+"""What speculation yields and costs, as estimators both ends keep: acceptance by draft position, a
+cost line, and the tokens a round commits. Pure: no clock, no I/O, no torch.
+
+The edge's tuner (edge_client.adaptive) uses them to choose its own γ and depth; the verifier's load
+cap (verifier_service.gamma_cap) to choose the γ that serves the most tokens when it is the bottleneck.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
+    """E(γ) = Σ_{k=0..γ} Π_{i<k} α_i: committed tokens of a verified round of γ draft tokens."""
+    total, reach = 0.0, 1.0
+    for k in range(gamma + 1):
+        total += reach
+        if k < gamma:
+            reach *= acceptance[k]
+    return total
+
+
+class AcceptanceCounts:
+    """α_i, the acceptance of draft position i given positions 0..i-1 accepted: counts per position
+    that decay each round (so a position not reached lately fades back to the pooled rate), shrunk
+    towards the pooled rate (so a position seldom reached borrows from the others), with a prior worth
+    `prior_weight` observations at `prior` before anything is seen."""
+
+    def __init__(self, positions: int, decay: float, prior: float, prior_weight: float):
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self._accepted = [0.0] * positions
+        self._reached = [0.0] * positions
+
+    def round(self, draft_tokens: int, accepted: int, cut: bool = False) -> None:
+        """A verified round of `draft_tokens` of which the first `accepted` were accepted; `cut`: the
+        round ended by a finish, so the position after the accepted ones was not judged."""
+        judged = accepted + (0 if cut or accepted >= draft_tokens else 1)
+        keep = 1 - self.decay
+        self._accepted = [keep * a for a in self._accepted]
+        self._reached = [keep * n for n in self._reached]
+        for i in range(judged):
+            self.judge(i, i < accepted)
+
+    def judge(self, position: int, accepted: bool) -> None:
+        if position < len(self._reached):
+            self._accepted[position] += accepted
+            self._reached[position] += 1
+
+    def rates(self) -> tuple[float, ...]:
+        """α_i for every position."""
+        w = self.prior_weight
+        pooled = (sum(self._accepted) + self.prior * w) / (sum(self._reached) + w)
+        return tuple((a + pooled * w) / (n + w) for a, n in zip(self._accepted, self._reached, strict=True))
+
+
+class CostLine:
+    """Seconds against a size (tokens drafted, positions verified): a running average per size seen,
+    and a weighted line through them; with one size seen, a line with the given fixed share."""
+
+    def __init__(self, smoothing: float, fixed_share: float):
+        self.smoothing = smoothing
+        self.fixed_share = fixed_share
+        self.means: dict[int, float] = {}  # size -> smoothed seconds
+        self.counts: dict[int, int] = {}
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size <= 0 or seconds < 0:
+            return
+        old = self.means.get(size)
+        # The first figures of a size are averaged plainly, then smoothed.
+        weight = max(self.smoothing, 1 / (self.counts.get(size, 0) + 1))
+        self.means[size] = seconds if old is None else old + weight * (seconds - old)
+        self.counts[size] = self.counts.get(size, 0) + 1
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.means)
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per unit), both >= 0; (0, 0) before any figure."""
+        if not self.means:
+            return 0.0, 0.0
+        weights = {n: min(c, 1 / self.smoothing) for n, c in self.counts.items()}
+        total = sum(weights.values())
+        mean_n = sum(w * n for n, w in weights.items()) / total
+        mean_s = sum(w * self.means[n] for n, w in weights.items()) / total
+        spread = sum(w * (n - mean_n) ** 2 for n, w in weights.items())
+        if spread > 0:
+            slope = sum(w * (n - mean_n) * (self.means[n] - mean_s) for n, w in weights.items()) / spread
+            slope = max(0.0, slope)
+            fixed = mean_s - slope * mean_n
+            if fixed >= 0:
+                return fixed, slope
+            return 0.0, mean_s / mean_n  # a line through the origin when the fit's intercept is negative
+        return self.fixed_share * mean_s, (1 - self.fixed_share) * mean_s / mean_n
+
+    def __call__(self, size: int) -> float:
+        fixed, slope = self.line()
+        return fixed + slope * size
