@@ -63,7 +63,8 @@ _SUMMED_LISTS = ("accepted_per_position", "batch_seconds_counts", "batch_size_co
 
 
 def add_stats(total: pb.ServerStats, reply: pb.ServerStats) -> None:
-    """Adds a replica's counters to the pool's: scalars, lists element by element, refusals by code."""
+    """Adds a replica's counters to the pool's: scalars, lists element by element, refusals by code;
+    the γ cap is the lowest of the replicas'."""
     for name in _SUMMED:
         setattr(total, name, getattr(total, name) + getattr(reply, name))
     for name in _SUMMED_LISTS:
@@ -73,6 +74,8 @@ def add_stats(total: pb.ServerStats, reply: pb.ServerStats) -> None:
             mine[i] += value
     for code, count in reply.refusals.items():
         total.refusals[code] += count
+    caps = [c for c in (total.gamma_cap, reply.gamma_cap) if c]
+    total.gamma_cap = min(caps, default=0)  # the tightest replica's
 
 
 class Front:

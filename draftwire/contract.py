@@ -104,6 +104,7 @@ class Verdict:
     verify_seconds: float = 0.0  # the verifying forward pass's duration (0 when stale)
     batch_size: int = 0  # sessions that shared that forward pass (0 when stale)
     server_draft_token_ids: tuple[int, ...] = ()  # a thin session's server drafts this round
+    gamma_cap: int = 0  # the most draft tokens the verifier asks for now (0: it names none)
 
     @property
     def thin_committed(self) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ _GAUGES = (
     ("active_sessions", "active_sessions", "Sessions whose KV cache is held now."),
     ("kept_caches", "kept_caches", "Finished sessions' caches kept for a next turn."),
     ("kv_cache_bytes", "cache_bytes", "Memory held by KV caches, live and kept."),
+    ("spec_decode_gamma_cap", "gamma_cap", "Most draft tokens a proposal should carry (lowered under load)."),
 )
 
 

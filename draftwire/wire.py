@@ -195,6 +195,7 @@ def verdict_to_proto(v: Verdict) -> pb.Verdict:
         verify_seconds=v.verify_seconds,
         batch_size=v.batch_size,
         server_draft_token_ids=v.server_draft_token_ids,
+        gamma_cap=v.gamma_cap,
     )
 
 
@@ -211,6 +212,7 @@ def verdict_from_proto(v: pb.Verdict) -> Verdict:
         verify_seconds=v.verify_seconds,
         batch_size=v.batch_size,
         server_draft_token_ids=tuple(v.server_draft_token_ids),
+        gamma_cap=v.gamma_cap,
     )
 
 

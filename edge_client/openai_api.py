@@ -227,6 +227,8 @@ def timings(stats: GenerationStats, prompt_tokens: int) -> dict:
         "time_to_first_token_ms": first * 1000,
         "verify_ms": stats.verify_s * 1000,  # the verifier's forward passes for these rounds
         "mean_batch_size": stats.batched_with / stats.rounds if stats.rounds else 0.0,
+        "gamma_cap": stats.gamma_cap,  # the verifier's γ cap under load, last and lowest (0: none)
+        "min_gamma_cap": stats.min_gamma_cap,
     }
 
 

@@ -78,6 +78,8 @@ class GenerationStats:
     round_s: list[float] = field(default_factory=list)  # send to the verdict's arrival, per verified round
     resumes: int = 0  # streams re-opened with the committed tokens after UNAVAILABLE
     wire_bytes: int = 0  # serialized protobuf payload sent and received (no HTTP/2 framing)
+    gamma_cap: int = 0  # the γ cap the last verdict advertised (0: none); min_gamma_cap the lowest
+    min_gamma_cap: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -98,6 +100,8 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
             "wall_s": self.wall_s,
+            "gamma_cap": self.gamma_cap,
+            "min_gamma_cap": self.min_gamma_cap,
         }
 
 
@@ -152,7 +156,8 @@ class Planner:
         self.committed = [*request.prompt_token_ids, *generated]  # prompt + generated
         self.stops = stop_set(request.stop_token_ids, request.ignore_eos, info.target.eos_token_ids)
         self.budget = generation_budget(request.max_new_tokens, info.target.max_context, self._prompt_length)
-        self.max_gamma = info.max_gamma
+        self._verifier_max_gamma = info.max_gamma
+        self.max_gamma = info.max_gamma  # the verifier's limit; then its cap under load (Verdict.gamma_cap)
         self.vocab_size = info.target.vocabulary.size  # a verdict's ids must be below it
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
@@ -229,6 +234,10 @@ class Planner:
             raise BadVerdict(f"verdict for round {verdict.round} with no proposal in flight")
         sent = self.in_flight.popleft()
         check_verdict(verdict, sent, self.committed, self.vocab_size)
+        if verdict.gamma_cap:  # the verifier's cap under load: the next drafts obey it
+            self.max_gamma = min(verdict.gamma_cap, self._verifier_max_gamma)
+            self.stats.gamma_cap = verdict.gamma_cap
+            self.stats.min_gamma_cap = min(self.stats.min_gamma_cap or verdict.gamma_cap, verdict.gamma_cap)
         if verdict.stale:
             self.stats.stale_rounds += 1
             return []

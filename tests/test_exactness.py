@@ -202,8 +202,11 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
             "acceptance_rate",
             "tokens_per_round",
             "wall_s",
+            "gamma_cap",
+            "min_gamma_cap",
         }
         assert spec["stats"]["tokens_per_round"] > 1.0
+        assert 1 <= spec["stats"]["min_gamma_cap"] <= spec["stats"]["gamma_cap"] <= 8  # serve --max-gamma 8
         assert spec["text"] == ref["text"]
 
 

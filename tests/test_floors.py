@@ -25,6 +25,8 @@ ALLOWED = {
 FORBIDDEN = {
     "draftwire/contract.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
     "draftwire/rules.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
+    "draftwire/speculation.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
+    "verifier_service/gamma_cap.py": {"grpc", "torch", "ray", "transformers", "llama_cpp"},
     # vocabulary_from_llama imports the binding its argument came from; only the edge calls it.
     "draftwire/vocab.py": {"grpc", "torch", "ray", "transformers"},
     "edge_client": {"torch", "transformers", "ray", "verifier_service", "cluster"},

@@ -88,6 +88,8 @@ def test_the_spec_decode_counters_equal_the_edges_run(run):
     assert value("engine_batch_size_sum") >= batches
     # Each verdict says how long its forward pass took and how many sessions shared it.
     assert stats.verify_s > 0 and stats.batched_with == stats.rounds  # alone on the server
+    # The γ cap the verdicts advertised: the gauge holds the last one (nothing ran after it).
+    assert 1 <= stats.min_gamma_cap <= stats.gamma_cap == value("spec_decode_gamma_cap") <= 16
 
 
 def test_top_shows_the_same_figures(run):
@@ -96,6 +98,7 @@ def test_top_shows_the_same_figures(run):
     figures = json.loads(top.stdout)
     assert figures["sessions_opened"] == 1 and figures["refusals"] == {"INVALID_ARGUMENT": 1}
     assert figures["active_sessions"] == 0 and figures["prefill_computed"] == 19
+    assert figures["gamma_cap"] == stats.gamma_cap
 
 
 def _listening(port: int) -> set[str]:

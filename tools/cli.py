@@ -203,6 +203,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed)")
     p.add_argument("--max-gamma", type=int, default=16)
+    p.add_argument(
+        "--no-gamma-cap",
+        action="store_true",
+        help="never lower the γ the verdicts ask for under load (verifier_service/gamma_cap.py)",
+    )
     p.add_argument("--max-message-bytes", type=int, default=wire.MAX_MESSAGE_BYTES)
     p.add_argument("--max-batch", type=int, default=32, help="most sessions verified in one forward pass")
     p.add_argument(
@@ -427,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args) -> int:
     from verifier_service.batcher import BatchConfig
     from verifier_service.engine import PrefixCacheConfig
+    from verifier_service.gamma_cap import CapConfig
     from verifier_service.servicer import ServerConfig
     from verifier_service.session import VerifierLimits
 
@@ -449,6 +455,7 @@ def _serve(args) -> int:
         auth=auth,
         admission=admission,
         lifetime=lifetime,
+        gamma_cap=CapConfig(enabled=not args.no_gamma_cap),
     )
     if args.ray:
         return _serve_pool(args, config)

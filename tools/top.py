@@ -40,6 +40,7 @@ def figures(now: pb.ServerStats, before: pb.ServerStats | None, seconds: float) 
         "mean_batch_size": d("engine_forwards") / d("engine_batches") if d("engine_batches") else 0.0,
         "engine_busy": rate("engine_seconds"),
         "target_positions_per_token": now.target_positions_per_token,
+        "gamma_cap": now.gamma_cap,
         "prefill_computed": now.prefill_positions,
         "prefill_reused": now.reused_positions,
         "kept_caches": now.kept_caches,
@@ -58,7 +59,7 @@ def render(address: str, f: dict) -> str:
             f"tokens/s {f['tokens_per_s']:>8.1f}   rounds/s {f['rounds_per_s']:>7.1f}   "
             f"tokens/round {f['tokens_per_round']:>5.2f}   acceptance {f['acceptance']:>5.0%}",
             f"engine     busy {f['engine_busy']:>5.0%}   mean batch {f['mean_batch_size']:>5.1f}   "
-            f"target positions/token {f['target_positions_per_token']:>5.2f}",
+            f"target positions/token {f['target_positions_per_token']:>5.2f}   γ cap {f['gamma_cap']:>3}",
             f"prefill    computed {f['prefill_computed']:>8}   reused {f['prefill_reused']:>8}   "
             f"kept caches {f['kept_caches']:>4}   KV {f['cache_mib']:>8.1f} MiB",
             f"stale {f['stale_proposals']:>8}   refusals {refusals}",

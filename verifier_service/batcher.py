@@ -19,6 +19,7 @@ import torch
 
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, TargetInfo, bucket
 from verifier_service.engine import Forward
+from verifier_service.gamma_cap import GammaCap
 
 
 class Engine(Protocol):
@@ -66,15 +67,20 @@ class BatchStats:
 
 
 class Batcher:
-    def __init__(self, engine: Engine, config: BatchConfig = BatchConfig()):
+    def __init__(
+        self, engine: Engine, config: BatchConfig = BatchConfig(), gamma_cap: GammaCap | None = None
+    ):
+        """`gamma_cap`: told of every batch, for the γ cap the verdicts advertise (None: no cap)."""
         self.engine = engine
         self.config = config
+        self.gamma_cap = gamma_cap
         self.stats = BatchStats()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self._pending: list[tuple[Forward, asyncio.Future]] = []
         self._releases: list[str] = []
         self._open: set[str] = set()  # sessions that may send a forward
         self._last_batch_s = 0.0
+        self._last_end: float | None = None  # when the last batch ended (perf_counter)
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -147,9 +153,21 @@ class Batcher:
                         if not future.done():
                             future.set_exception(e)
                     continue
+                self._observe_load([f for f, _, _ in batch])
                 for (_, future, whole), result in zip(batch, results, strict=True):
                     if whole and not future.done():
                         future.set_result(result)
+
+    def _observe_load(self, forwards: list[Forward]) -> None:
+        """Tells the γ cap of the batch that just ended: its rounds, positions, time, and the time since
+        the last batch ended (so the engine's busy share)."""
+        now = time.perf_counter()
+        if self.gamma_cap is not None and forwards:
+            interval = now - self._last_end if self._last_end is not None else self._last_batch_s
+            rounds = sum(f.wants_logits for f in forwards)
+            positions = sum(len(f.token_ids) for f in forwards)
+            self.gamma_cap.observe_batch(rounds, positions, self._last_batch_s, interval)
+        self._last_end = now
 
     def _take_batch(self, pending: list) -> tuple[list, list]:
         """The next batch from `pending`, in arrival order, and what stays pending.

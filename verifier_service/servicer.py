@@ -30,6 +30,7 @@ from verifier_service.admission import Admission, AdmissionConfig, Refused, Wind
 from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import PrefixCacheConfig, TargetEngine
+from verifier_service.gamma_cap import CapConfig, GammaCap
 from verifier_service.lifecycle import Ended, Lifetime, LifetimeConfig, cut_off
 from verifier_service.session import (
     InvalidRequest,
@@ -62,6 +63,7 @@ class ServerConfig:
     auth: AuthConfig = AuthConfig()  # who may call (verifier_service/auth.py); default: anyone
     admission: AdmissionConfig = AdmissionConfig()  # caps, rates, KV budget (verifier_service/admission.py)
     lifetime: LifetimeConfig = LifetimeConfig()  # idle timeout, maximum age, drain (lifecycle.py)
+    gamma_cap: CapConfig = CapConfig()  # the γ cap the verdicts advertise under load (gamma_cap.py)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -70,7 +72,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.config = config
         self.stats = VerifierStats()
         engine.keep_finished(config.prefix_cache)
-        self.batcher = Batcher(engine, config.batch)
+        self.batcher = Batcher(engine, config.batch, GammaCap(config.limits.max_gamma, config.gamma_cap))
         self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
         self.admission = Admission(config.admission)
         self.draining = False  # opens are refused with UNAVAILABLE (the edge resumes elsewhere)
@@ -114,6 +116,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             refusals=self.refusals,
             batch_seconds_counts=b.seconds_counts,
             batch_size_counts=b.size_counts,
+            gamma_cap=self.batcher.gamma_cap.value,
         )
 
     async def Session(self, request_iterator, context):

@@ -205,7 +205,7 @@ class VerifierSession:
         committed tokens."""
         draft = ()
         if self.spec.drafting is Drafting.NGRAM:
-            draft = tuple(ngram_draft(self.committed, min(NGRAM_GAMMA, self.limits.max_gamma)))
+            draft = tuple(ngram_draft(self.committed, min(NGRAM_GAMMA, self.gamma_cap)))
         return Proposal(self.last_round + 1, len(self.committed), draft)
 
     def begin(self, proposal: Proposal) -> Round | Verdict:
@@ -271,6 +271,8 @@ class VerifierSession:
             per_position += [0] * (accepted - len(per_position))
             for i in range(accepted):
                 per_position[i] += 1
+            if self.batcher.gamma_cap is not None and not self.spec.thin:
+                self.batcher.gamma_cap.observe_round(len(begun.draft), accepted, cut=self.finish is not None)
         verify_seconds, batch_size = self.batcher.stats.last.get(self.key, (0.0, 0))
         verdict = self._verdict(begun.proposal, accepted, target_token, verify=(verify_seconds, batch_size))
         if self.spec.thin:  # the edge learns the server's drafts it accepted from the verdict
@@ -280,6 +282,12 @@ class VerifierSession:
     def close(self) -> None:
         """Frees the session's KV cache after its queued forwards; safe to call twice."""
         self.batcher.release(self.key)
+
+    @property
+    def gamma_cap(self) -> int:
+        """The most draft tokens the verifier asks for now: max_gamma, lowered under load (gamma_cap.py)."""
+        cap = self.batcher.gamma_cap
+        return min(cap.value, self.limits.max_gamma) if cap is not None else self.limits.max_gamma
 
     def _verdict(
         self, proposal: Proposal, accepted: int, target_token: int | None, stale=False, verify=(0.0, 0)
@@ -295,6 +303,7 @@ class VerifierSession:
             target_positions=self.target_positions,
             verify_seconds=verify[0],
             batch_size=verify[1],
+            gamma_cap=self.gamma_cap,
         )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:

@@ -279,6 +279,7 @@ def test_the_apps_metrics_count_its_replies_and_errors(edge, client):
     assert delta("draftwire:edge_errors_total{status=400}") == 1
     assert delta("draftwire:edge_time_to_first_token_seconds_count") == 1
     assert timings["verify_ms"] > 0 and timings["mean_batch_size"] >= 1
+    assert 1 <= timings["min_gamma_cap"] <= timings["gamma_cap"] <= 16  # the verifier's cap reached the page
 
 
 @pytest.mark.parametrize("drafting", ["ngram", "none"])

@@ -69,6 +69,29 @@ def test_a_stop_token_finishes_and_a_guessed_stop_is_never_built_on():
     assert all(stop not in p.assumed_token_ids for p in sent)
 
 
+def cap_schedule(round_: int) -> int:
+    """A verifier whose load rises, then falls: no cap, then 3, 1, 2, then max_gamma again."""
+    return 0 if round_ < 4 else 3 if round_ < 8 else 1 if round_ < 12 else 2 if round_ < 16 else 8
+
+
+@pytest.mark.parametrize("gamma, pipeline", [(6, 0), (6, 2), (None, None)])
+@pytest.mark.parametrize("wrong", [(), (4, 11, 12, 30)])
+def test_the_verifiers_gamma_cap_bounds_the_next_proposals_and_changes_no_token(gamma, pipeline, wrong):
+    request = GenerationRequest(PROMPT, max_new_tokens=90, gamma=gamma, ignore_eos=True, pipeline=pipeline)
+    lag = pipeline or 0
+    plan, sent = drive(request, INFO, MistakenDrafter(wrong), lag=lag, caps=cap_schedule)
+    assert plan.committed == [*PROMPT, *target_continuation(PROMPT, 90)]
+    # Round r is drafted once at least the verdicts up to round r - lag - 1 were applied, and at most
+    # those before r: it obeys the cap of one of those rounds.
+    for p in sent:
+        window = [cap_schedule(k) for k in range(max(1, p.round - lag - 1), p.round)]
+        if window and all(window):
+            assert len(p.draft_token_ids) <= max(window), (p.round, len(p.draft_token_ids), window)
+    assert any(len(p.draft_token_ids) == 1 for p in sent)  # the cap of 1 was obeyed
+    if gamma is not None:  # and it lifted (a tuner climbs back as its estimates allow; here it has none)
+        assert max(len(p.draft_token_ids) for p in sent if p.round >= 16 + lag) == gamma
+
+
 def test_a_verdict_for_another_round_is_refused():
     request = GenerationRequest(PROMPT, max_new_tokens=10)
     plan = Planner(request, INFO)

@@ -64,6 +64,7 @@ class CapacityConfig:
     window_ms: float = 10.0  # the replica's batch window
     dtype: str = "auto"  # the target's (serve --dtype)
     invariant: bool = True  # bit-exact kernels (serve's default); False: --no-bit-exact
+    gamma_cap: bool = True  # the replica's γ cap under load (serve's default); False: --no-gamma-cap
     arms: str = "abc"  # which arms run (see ARMS); without c no draft is recorded
     prompt_set: str = "chat"  # what `prompts` are (tools.bench.prompts.PROMPT_SETS), for the report
 
@@ -187,6 +188,8 @@ async def run_wave(address: str, config: CapacityConfig, arm: str, n: int, draft
         "upload_bytes_per_token": up / tokens,
         "download_bytes_per_token": down / tokens,
         "upload_bytes_per_round": up / rounds if rounds else None,
+        "gamma_cap_min": min((s.min_gamma_cap for _, s, _ in results if s.min_gamma_cap), default=None),
+        "gamma_cap_end": after.gamma_cap,  # the replica's cap when the wave ended
         "outputs": [list(ids) for ids, _, _ in results],
     }
 
@@ -251,6 +254,7 @@ async def run_all(config: CapacityConfig, log=print) -> dict:
     flags += ["--max-batch", str(config.max_batch), "--batch-window-ms", str(config.window_ms)]
     flags += ["--max-gamma", str(config.gamma + 1), "--prefix-cache-mb", "0"]
     flags += [] if config.invariant else ["--no-bit-exact"]
+    flags += [] if config.gamma_cap else ["--no-gamma-cap"]
     rows: list[dict] = []
     with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
         # The reference: the target alone, every prompt once (also the replica's warm-up; not counted).
@@ -546,6 +550,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-bit-exact", action="store_true")
+    ap.add_argument("--no-gamma-cap", action="store_true", help="the replica never lowers γ under load")
     ap.add_argument("--out", type=Path, default=Path("runs/capacity"))
     ap.add_argument(
         "--ngram-from",
@@ -637,6 +642,7 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
         max_batch=args.max_batch,
         dtype=args.dtype,
         invariant=not args.no_bit_exact,
+        gamma_cap=not args.no_gamma_cap,
     )
 
 

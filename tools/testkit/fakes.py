@@ -71,12 +71,12 @@ class FakeEngine:
         self.batches: list[list] = []  # the forwards of each engine call, in order
         self.released: list[str] = []
         self.slow_s = 0.0  # each call takes at least this long, as a real forward would
+        self.slow_per_position_s = 0.0  # and this much more per position it computes
 
     def forward_many(self, forwards):
-        if self.slow_s:
-            import time
-
-            time.sleep(self.slow_s)
+        if self.slow_s or self.slow_per_position_s:
+            positions = sum(len(f.token_ids) for f in forwards)
+            time.sleep(self.slow_s + self.slow_per_position_s * positions)
         if len({f.key for f in forwards}) != len(forwards):
             raise ValueError("one forward per session in a batch")
         self.batches.append(list(forwards))
@@ -114,6 +114,7 @@ class FakeVerifier:
     committed: list[int] = field(default_factory=list)
     finish: Finish | None = None
     last_round: int = 0
+    gamma_cap: int = 0  # what every verdict advertises (Verdict.gamma_cap); a test may change it mid-run
 
     def __post_init__(self) -> None:
         self.committed = [*self.spec.prompt_token_ids, *self.spec.generated_token_ids]
@@ -126,14 +127,26 @@ class FakeVerifier:
         self.last_round = p.round
         length = len(self.committed)
         if is_stale(self.committed, p):
-            return Verdict(p.round, p.start_position, 0, None, None, True, length, 0)
+            return Verdict(
+                p.round, p.start_position, 0, None, None, True, length, 0, gamma_cap=self.gamma_cap
+            )
         assert self.finish is None, "a live proposal after the finish"
         left = self.budget - (length - len(self.spec.prompt_token_ids))
         draft = list(p.draft_token_ids[: left - 1])
         target = [successor(t) for t in [self.committed[-1], *draft]]
         accepted, token, self.finish = commit_round(draft, target, self.stops, left)
         self.committed += [*draft[:accepted], *([token] if token is not None else [])]
-        return Verdict(p.round, p.start_position, accepted, token, self.finish, False, len(self.committed), 0)
+        return Verdict(
+            p.round,
+            p.start_position,
+            accepted,
+            token,
+            self.finish,
+            False,
+            len(self.committed),
+            0,
+            gamma_cap=self.gamma_cap,
+        )
 
 
 @dataclass
@@ -176,11 +189,12 @@ class Paced:
 
 
 def drive(
-    request, info, drafter: MistakenDrafter, lag: int = 0, generated=(), tuner=None
+    request, info, drafter: MistakenDrafter, lag: int = 0, generated=(), tuner=None, caps=None
 ) -> tuple[Planner, list]:
     """The transport's loop without a network, for the planner's tests: a proposal reaches the fake
     verifier at once, and its verdict reaches the planner only once `lag` later proposals were sent (or
-    when the planner must wait). Returns the planner and the proposals sent."""
+    when the planner must wait). `caps(round)`: the γ cap the verdict of that round advertises (none
+    when None). Returns the planner and the proposals sent."""
     plan = Planner(request, info, generated, tuner=tuner)
     verifier = FakeVerifier(request.spec(generated))
     on_the_way: collections.deque = collections.deque()
@@ -190,6 +204,7 @@ def drive(
             plan.apply(on_the_way.popleft())
         elif (proposal := plan.next_proposal()) is not None:
             sent.append(proposal)
+            verifier.gamma_cap = caps(proposal.round) if caps else 0
             on_the_way.append(verifier.answer(proposal))
         elif (job := plan.next_draft()) is not None:
             plan.add_draft(job, drafter.propose(job.base, job.gamma, request.sampling, plan.stops))

@@ -1,0 +1,97 @@
+"""The verifier's γ cap under load: the most draft tokens a proposal should carry, which every verdict
+advertises (Verdict.gamma_cap) and the edge's planner obeys. Pure: the batcher passes the figures in.
+
+An edge chooses γ for its own tokens per second. A replica whose engine is busy all the time pays for
+every drafted position in every batch, and serves, with B sessions a batch at γ,
+
+    S(γ) = B · E(γ) / (F + s · B · (γ + 1))       tokens per second of engine time
+
+E(γ) the tokens a round commits at the acceptance its edges' rounds show, position by position (pooled
+over every session), and F + s·P the engine's seconds for a batch of P positions (a line fitted over
+its batches). On a GPU, s·B·(γ + 1) stays small beside F to large batches and the best γ, γ*, stays
+high; on a CPU the forward costs what its positions cost from a few rows on, and γ* falls as B grows.
+
+The cap moves smoothly, and never turns speculation off (vLLM's batch-size threshold does, and drops
+throughput by up to 10× at it: vLLM issue 49548). The pressure p rises linearly from 0, at a busy share
+`calm` of the engine's time, to 1 at `busy`; the cap's goal is max_gamma − p · (max_gamma − γ*); the cap
+moves one step towards it at most once every `dwell` batches, and never below 1. A cap above every γ
+the edges send binds nobody, so it comes down to the largest of them at once; below that it steps.
+Idle or lightly loaded, the cap is max_gamma: no limit.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from draftwire.speculation import AcceptanceCounts, CostLine, expected_tokens
+
+
+@dataclass(frozen=True)
+class CapConfig:
+    enabled: bool = True  # False: every verdict advertises max_gamma
+    calm: float = 0.5  # the engine's busy share below which nothing is capped
+    busy: float = 0.9  # the busy share at which the cap's goal is γ*
+    dwell: int = 4  # batches between steps of the cap
+    smoothing: float = 0.1  # weight of a new batch in the busy share, the rows and the cost line
+    acceptance_decay: float = 0.02  # decay of the acceptance counts a round (rounds of every session)
+    recent_rounds: int = 64  # rounds over which "the largest γ the edges send" is taken
+
+
+class GammaCap:
+    def __init__(self, max_gamma: int, config: CapConfig = CapConfig()):
+        self.max_gamma = max_gamma
+        self.config = config
+        self.value = max_gamma  # the cap advertised now
+        self.busy_share = 0.0
+        self.rows = 0.0
+        self.cost = CostLine(config.smoothing, fixed_share=0.5)
+        self._acceptance = AcceptanceCounts(max_gamma, config.acceptance_decay, prior=0.6, prior_weight=2.0)
+        self._sent: collections.deque[int] = collections.deque(maxlen=config.recent_rounds)
+        self._batches = 0
+        self._last_move = 0
+
+    def observe_round(self, draft_tokens: int, accepted: int, cut: bool = False) -> None:
+        """An edge's verified round (not a thin session's: the server's own drafts are not the edges')."""
+        self._acceptance.round(draft_tokens, accepted, cut)
+        self._sent.append(draft_tokens)
+
+    def observe_batch(self, rows: int, positions: int, seconds: float, interval_s: float) -> None:
+        """An engine batch of `rows` sessions and `positions` positions that took `seconds`, ending
+        `interval_s` after the one before it ended; then moves the cap as the rules allow."""
+        w = self.config.smoothing
+        share = min(1.0, seconds / interval_s) if interval_s > 0 else 1.0
+        first = self._batches == 0
+        self.busy_share = share if first else self.busy_share + w * (share - self.busy_share)
+        self.rows = rows if first else self.rows + w * (rows - self.rows)
+        self.cost.observe(positions, seconds)
+        self._batches += 1
+        if self.config.enabled:
+            self._move()
+
+    def best_gamma(self) -> int:
+        """γ*: the γ that serves the most tokens per second of engine time at the current rows."""
+        fixed, per_position = self.cost.line()
+        rates = self._acceptance.rates()
+        rows = max(1.0, self.rows)
+
+        def served(gamma: int) -> float:
+            seconds = fixed + per_position * rows * (gamma + 1)
+            return rows * expected_tokens(rates, gamma) / seconds if seconds > 0 else float("inf")
+
+        return max(range(1, self.max_gamma + 1), key=lambda g: (served(g), -g))
+
+    def goal(self) -> int:
+        c = self.config
+        pressure = min(1.0, max(0.0, (self.busy_share - c.calm) / (c.busy - c.calm)))
+        if pressure == 0:
+            return self.max_gamma
+        return max(1, round(self.max_gamma - pressure * (self.max_gamma - self.best_gamma())))
+
+    def _move(self) -> None:
+        goal = self.goal()
+        if goal < self.value and self._sent and max(self._sent) < self.value:
+            self.value = max(goal, max(self._sent))  # binding nobody: down to what the edges send
+        if goal != self.value and self._batches - self._last_move >= self.config.dwell:
+            self.value += 1 if goal > self.value else -1
+            self._last_move = self._batches
