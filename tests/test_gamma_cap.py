@@ -20,22 +20,24 @@ CPU = (0.025, 0.007)  # a forward's seconds: fixed, per position (one core, Smol
 GPU = (0.020, 0.00002)  # nearly flat in positions
 
 
-def simulate(cap: GammaCap, batches: int, rows, busy, alpha: float, edge_gamma: int = 8, costs=CPU, seed=0):
-    """Feeds `batches` batches: `rows(i)` sessions a batch, each sending min(edge_gamma, cap) draft
-    tokens accepted i.i.d. at `alpha`, the engine busy `busy(i)` of the time. Returns the cap after
-    each batch."""
+def simulate(
+    cap: GammaCap, batches: int, rows, busy, alpha: float, edge_gamma: int = 8, costs=CPU, seed=0, thin=0
+):
+    """Feeds `batches` batches: `rows(i)` edge sessions a batch, each sending min(edge_gamma, cap) draft
+    tokens accepted i.i.d. at `alpha`, and `thin` thin sessions (one position each); the engine busy
+    `busy(i)` of the time. Returns the cap after each batch."""
     rng = random.Random(seed)
     caps = []
     for i in range(batches):
         gamma = min(edge_gamma, cap.value)
-        for _ in range(rows(i)):
+        positions = rows(i) * (gamma + 1) + thin
+        seconds = costs[0] + costs[1] * positions
+        cap.observe_batch(rows(i) + thin, positions, seconds, seconds / busy(i))
+        for _ in range(rows(i)):  # the batch's verdicts, after it
             accepted = 0
             while accepted < gamma and rng.random() < alpha:
                 accepted += 1
             cap.observe_round(gamma, accepted)
-        positions = rows(i) * (gamma + 1)
-        seconds = costs[0] + costs[1] * positions
-        cap.observe_batch(rows(i), positions, seconds, seconds / busy(i))
         caps.append(cap.value)
     return caps
 
@@ -46,28 +48,37 @@ def test_an_engine_with_room_caps_nothing():
     assert set(caps) == {16}
 
 
-# Served tokens per engine second, S(γ) = B·E(γ) / (F + s·B·(γ+1)), E(γ) = (1 - α^(γ+1)) / (1 - α):
+def served(gamma: int, edges: float, alpha: float, costs, thin: int = 0) -> float:
+    """What the engine serves per second at γ, from the true figures: S(γ) = (B·E(γ) + T) / (F + s·(B·(γ+1)
+    + T)) with B edges, T thin rows (a position and a token each), E(γ) = (1 - α^(γ+1)) / (1 - α)."""
+    tokens = edges * (1 - alpha ** (gamma + 1)) / (1 - alpha) + thin
+    return tokens / (costs[0] + costs[1] * (edges * (gamma + 1) + thin))
+
+
+# S near its best is flat (within 1 % over two or three γ), and the cap works from estimates, so the
+# checks ask for a γ within 1 % of the best, and the exact γ* where it stands clear. By hand:
 #   B = 4, α = 0.9, CPU:  S(1) = 7.60/0.081 = 93.8   S(2) = 10.84/0.109 = 99.4   S(3) = 13.76/0.137 = 100.4
-#                         S(4) = 16.38/0.165 = 99.3   -> γ* = 3
+#                         S(4) = 16.38/0.165 = 99.3   -> γ* = 3, within 1 %: 2 and 3
 #   B = 16, α = 0.8, CPU: S(1) = 28.8/0.249 = 115.7   S(2) = 39.0/0.361 = 108.1   -> γ* = 1
-#   B = 16, α = 0.9, GPU: S(8) = 98.1/0.02288 = 4287   S(16) = 133.3/0.02544 = 5240 -> γ* = 16
+#   B = 16, α = 0.9, GPU: S(8) = 98.1/0.02288 = 4287   S(16) = 133.3/0.02544 = 5240 -> γ* = 16 (15 within 1 %)
 @pytest.mark.parametrize(
-    "rows, alpha, costs, best", [(4, 0.9, CPU, 3), (16, 0.8, CPU, 1), (16, 0.9, GPU, 16)]
+    "rows, alpha, costs, best", [(4, 0.9, CPU, (2, 3)), (16, 0.8, CPU, (1,)), (16, 0.9, GPU, (15, 16))]
 )
 def test_a_saturated_engine_caps_at_the_gamma_that_serves_the_most(rows, alpha, costs, best):
     cap = GammaCap(16)
     caps = simulate(
         cap, 400, rows=lambda i: rows, busy=lambda i: 1.0, alpha=alpha, edge_gamma=16, costs=costs
     )
-    assert caps[-1] == best
-    assert cap.best_gamma() == best
+    rates = {g: served(g, rows, alpha, costs) for g in range(1, 17)}
+    assert {g for g in rates if rates[g] >= 0.99 * max(rates.values())} == set(best)  # the table above
+    assert caps[-1] in best and cap.best_gamma() in best
 
 
 @pytest.mark.parametrize("shape", ["ramp", "step"])
 def test_the_cap_moves_a_step_at_a_time_and_never_turns_speculation_off(shape):
     """Load rises to saturation and falls back, gradually or at once: below the largest γ the edges send,
-    the cap moves by at most one step per `dwell` batches (no cliff); it drops faster only while it binds
-    nobody."""
+    the cap moves one step at a time, down at most once per `dwell` batches (no cliff); it drops faster
+    only while it binds nobody."""
     config = CapConfig()
     cap = GammaCap(16, config)
     n = 1200
@@ -85,8 +96,35 @@ def test_the_cap_moves_a_step_at_a_time_and_never_turns_speculation_off(shape):
             assert abs(after - before) <= 1
         else:  # binding nobody: it may come down to what the edges send, and a step below it
             assert after >= min(before - 1, edge_gamma - 1)
-    moves = [i for i in range(1, n) if caps[i] != caps[i - 1] and caps[i - 1] <= edge_gamma]
-    assert all(b - a >= config.dwell for a, b in itertools.pairwise(moves))
+    # Down, a step at most every `dwell` batches; back up with no pressure left, a step a batch.
+    downs = [i for i in range(1, n) if caps[i] < caps[i - 1] <= edge_gamma]
+    assert all(b - a >= config.dwell for a, b in itertools.pairwise(downs))
+
+
+def test_an_idle_spell_counts_as_idle_however_many_batches_were_busy_before_it():
+    cap = GammaCap(16)
+    simulate(cap, 400, rows=lambda i: 16, busy=lambda i: 1.0, alpha=0.8)
+    assert cap.value == 1
+    cap.observe_batch(1, 5, 0.06, interval_s=60.0)  # a lone session's round after a minute of nothing
+    assert cap.busy_share < 0.01 and cap.rows < 1.01
+    caps = simulate(cap, 20, rows=lambda i: 1, busy=lambda i: 0.3, alpha=0.8)
+    assert caps == [min(16, 3 + i) for i in range(20)]  # back up a step a batch
+
+
+def test_thin_sessions_alone_cap_nothing_and_beside_edges_they_cost_a_position_each():
+    """Thin rounds are one position and one token whatever γ: a replica full of them caps nothing.
+    Beside edges they lower γ*: at α = 0.95, four edges alone are served best at γ 4 to 6 (S(5) = 109.8
+    by hand, S(3) = 108.3), and with twelve thin rows beside them at 2 or 3 (S(3) = 26.84/0.221 = 121.4,
+    S(5) = 33.19/0.277 = 119.8)."""
+    cap = GammaCap(16)
+    assert set(simulate(cap, 300, rows=lambda i: 0, busy=lambda i: 1.0, alpha=0.8, thin=16)) == {16}
+    for thin, best in ((0, {4, 5, 6}), (12, {2, 3, 4})):
+        rates = {g: served(g, 4, 0.95, CPU, thin) for g in range(1, 17)}
+        assert {g for g in rates if rates[g] >= 0.99 * max(rates.values())} == best
+        cap = GammaCap(16)
+        caps = simulate(cap, 400, rows=lambda i: 4, busy=lambda i: 1.0, alpha=0.95, edge_gamma=16, thin=thin)
+        assert caps[-1] in best
+    assert max(caps[-100:]) <= 4  # thin rows pull the cap below the edges-alone γ*
 
 
 def test_a_disabled_cap_stays_at_max_gamma():
@@ -121,7 +159,7 @@ def test_busy_sessions_hear_a_falling_cap_in_their_verdicts_and_commit_the_targe
         return session.generated, caps
 
     async def run():
-        batcher = Batcher(engine, BatchConfig(window_s=0.005), GammaCap(8, CapConfig(dwell=1)))
+        batcher = Batcher(engine, BatchConfig(window_s=0.005), GammaCap(8, CapConfig(dwell=1, memory_s=0.2)))
         try:
             return await asyncio.gather(*(edge(batcher, i) for i in range(8)))
         finally:

@@ -163,7 +163,7 @@ class Batcher:
         the last batch ended (so the engine's busy share)."""
         now = time.perf_counter()
         if self.gamma_cap is not None and forwards:
-            interval = now - self._last_end if self._last_end is not None else self._last_batch_s
+            interval = now - self._last_end if self._last_end is not None else None
             rounds = sum(f.wants_logits for f in forwards)
             positions = sum(len(f.token_ids) for f in forwards)
             self.gamma_cap.observe_batch(rounds, positions, self._last_batch_s, interval)
