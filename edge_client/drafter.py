@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from llama_cpp import Llama
 
 from draftwire.contract import SamplingParams
 from draftwire.rules import choose_tokens
 from draftwire.vocab import Vocabulary, vocabulary_from_llama
+from edge_client.llama_runtime import Llama
 
 
 @dataclass(frozen=True)

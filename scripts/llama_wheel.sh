@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Installs llama-cpp-python into the active environment from a wheel built once, with portable CPU flags,
-# from its source distribution. The source stays in third_party/llama-cpp-python (llama.cpp's HF-to-GGUF
-# converter ships only there), the wheel in third_party/wheels for every other environment.
+# Installs llama-cpp-python into the active environment from a wheel built once from its source
+# distribution, with ggml's CPU kernels as run-time variants: every x86-64 level from plain x86-64 and
+# SSE4.2 to Zen 4 (or every ARM level from armv8.0 to armv9.2), one of which ggml picks by the CPU the
+# process runs on (edge_client/llama_runtime.py loads them). Nothing is tuned for the build machine, so
+# a wheel built here runs on any CPU of its architecture.
+#
+# - The AMX variant (sapphirerapids) is left out: its q8_0/q4 kernels segfault at the first decode on
+#   some of the AMX CPUs this project meets, so the build drops that one line from ggml's variant list.
+# - The wheel is cached under a key of the version, the flags, the patch and the architecture
+#   ($DRAFTWIRE_WHEEL_CACHE, default ~/.cache/draftwire/wheels/<version>-<key>/), so a wheel built with
+#   other flags (an older AVX-512 build, another architecture) is never reused, and a fresh clone on the
+#   same machine does not build again. The build takes about 12 minutes on 2 cores (16 CPU variants; 4 for one).
+# - The source stays in third_party/llama-cpp-python (llama.cpp's HF-to-GGUF converter ships only there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36
 SRC=third_party/llama-cpp-python
-WHEELS=third_party/wheels
+# Every CPU variant as a loadable module next to libllama (llama_cpp/lib); no multimodal library.
+FLAGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
+PATCH='drop the AMX variant: ggml_add_cpu_backend_variant(sapphirerapids'
+KEY=$(printf '%s\n%s\n%s\n' "$FLAGS" "$PATCH" "$(uname -m)" | sha256sum | cut -c1-12)
+WHEELS=${DRAFTWIRE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftwire/wheels}/$VERSION-$KEY
 
 if [ ! -f "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
   tmp=$(mktemp -d)
@@ -17,11 +31,23 @@ if [ ! -f "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
   rm -rf "$tmp"
 fi
 if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
-  # Portable build: GGML_NATIVE would compile in AMX kernels that crash on some CPUs at the first decode.
-  echo "building llama-cpp-python $VERSION from source (about 4 minutes)..."
-  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON" \
-    python -m pip wheel -q --no-deps -w "$WHEELS" "./$SRC"
+  echo "building llama-cpp-python $VERSION from source with every CPU variant (about 12 minutes on 2 cores, once)..."
+  build=$(mktemp -d)
+  cp -r "$SRC" "$build/src"
+  sed -i '/ggml_add_cpu_backend_variant(sapphirerapids/d' "$build/src/vendor/llama.cpp/ggml/src/CMakeLists.txt"
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CMAKE_ARGS="$FLAGS" \
+    python -m pip wheel -q --no-deps -w "$build/out" "$build/src"
+  mkdir -p "$WHEELS" && mv "$build"/out/llama_cpp_python-"$VERSION"-*.whl "$WHEELS"/
+  rm -rf "$build"
 fi
-if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
+# The installed copy names its build; another build (or none) is replaced.
+installed_key=$(python -c "import llama_cpp, pathlib; print((pathlib.Path(llama_cpp.__file__).parent / 'lib' / 'draftwire-build-key').read_text().strip())" 2>/dev/null || true)
+if [ "$installed_key" != "$VERSION-$KEY" ]; then
+  python -m pip install -q --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl
   python -m pip install -q "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl
+  python - "$VERSION-$KEY" <<'PY'
+import pathlib, sys
+import llama_cpp
+(pathlib.Path(llama_cpp.__file__).parent / "lib" / "draftwire-build-key").write_text(sys.argv[1] + "\n")
+PY
 fi

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from llama_cpp import Llama
 
 from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import vocabulary_from_llama
 from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.llama_runtime import Llama
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
 from tools.models.kit import llama_cpp_source_dir
 from verifier_service.engine import TargetEngine

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 import torch
-from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from edge_client.llama_runtime import Llama
 from tools.demo import DEMO_DRAFT
 from tools.models.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agreement, target_argmax_and_loss
 from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows

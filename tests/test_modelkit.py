@@ -6,12 +6,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
 
+from edge_client.llama_runtime import Llama
 from tools.models import kit as modelkit
 from tools.models.kit import TestPair, build_test_pair, stdlib_texts
 
@@ -57,14 +57,14 @@ def target(pair: TestPair):
 
 
 @pytest.fixture(scope="module")
-def vocab_only(pair: TestPair) -> Iterator[llama_cpp.Llama]:
-    llm = llama_cpp.Llama(model_path=str(pair.draft_f16), vocab_only=True, verbose=False)
+def vocab_only(pair: TestPair) -> Iterator[Llama]:
+    llm = Llama(model_path=str(pair.draft_f16), vocab_only=True, verbose=False)
     yield llm
     llm.close()
 
 
 def _llama_logits(path: Path, token_ids: list[int]) -> np.ndarray:  # [len(token_ids), vocab]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
     try:
         llm.eval(token_ids)
         return np.array(llm.scores[: len(token_ids)])

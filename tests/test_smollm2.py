@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-from llama_cpp import Llama
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from draftwire.vocab import vocabulary_from_hf, vocabulary_from_llama
+from edge_client.llama_runtime import Llama
 from tools.models import smollm2
 
 try:

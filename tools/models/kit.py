@@ -191,6 +191,9 @@ def quantize_gguf(src: Path, dst: Path, qtype: str = "q4_0") -> Path:
     """
     import llama_cpp
 
+    from edge_client.llama_runtime import load_backends
+
+    load_backends()
     ftypes = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
     if qtype not in ftypes:
         raise ValueError(f"qtype {qtype!r} is not one of {tuple(ftypes)}")

@@ -287,6 +287,9 @@ def requantize(source: Path, destination: Path, kind: str) -> Path:
     """
     import llama_cpp
 
+    from edge_client.llama_runtime import load_backends
+
+    load_backends()
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}", None)
     if ftype is None:
         raise ValueError(f"llama.cpp has no file type {kind!r}")
@@ -487,7 +490,8 @@ def _greedy(model, ids: list[int], eos: int) -> list[int]:
 def _agreement(path: Path, prompts: list[list[int]], replies: list[list[int]]) -> float:
     """Teacher-forced: the share of reply positions where the draft's argmax is the target's token."""
     import numpy as np
-    from llama_cpp import Llama
+
+    from edge_client.llama_runtime import Llama
 
     n_ctx = max(len(p) + len(r) for p, r in zip(prompts, replies, strict=True))
     llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
@@ -507,7 +511,7 @@ def _agreement(path: Path, prompts: list[list[int]], replies: list[list[int]]) -
 
 def _draft_ms_per_token(path: Path, prompt: list[int], tokens: int = 48) -> float:
     """Median milliseconds of one single-token decode on one thread, after the prompt."""
-    from llama_cpp import Llama
+    from edge_client.llama_runtime import Llama
 
     llm = Llama(
         model_path=str(path), n_ctx=len(prompt) + tokens + 8, n_threads=1, n_threads_batch=1, verbose=False

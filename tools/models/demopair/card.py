@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
-from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from edge_client.llama_runtime import Llama
 from tools.models.demopair.corpus import WINDOW, corpus_files, heldout_windows
 from tools.models.demopair.files import PairFiles
 
