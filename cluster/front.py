@@ -21,9 +21,10 @@ import contextlib
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from cluster.pool import NoReplica, Pool
+from cluster.pool import NoReplica, NoSuchNumerics, Pool
 from cluster.routing import State, soonest
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
@@ -74,6 +75,8 @@ def add_stats(total: pb.ServerStats, reply: pb.ServerStats) -> None:
             mine[i] += value
     for code, count in reply.refusals.items():
         total.refusals[code] += count
+    known = {n.identity for n in total.numerics}
+    total.numerics.extend(n for n in reply.numerics if n.identity not in known)
     caps = [c for c in (total.gamma_cap, reply.gamma_cap) if c]
     total.gamma_cap = min(caps, default=0)  # the tightest replica's
 
@@ -83,13 +86,15 @@ class Front:
         self.pool = pool
         self.config = config
         self.server: grpc.aio.Server | None = None
+        self.metrics_port: int | None = None  # the bound one, once started with metrics
         self._health = None
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Serves the Verifier service, health and reflection; returns the bound port.
 
-        Raises RuntimeError when the address cannot be bound.
+        Raises ports.PortInUse (a RuntimeError) when something listens there, RuntimeError when the
+        address cannot be bound otherwise.
         """
         self.server = make_server(self.config)  # edges authenticate here; replicas trust the front
         handlers = {
@@ -111,7 +116,7 @@ class Front:
             def snapshot() -> pb.ServerStats:  # on the metrics server's thread
                 return asyncio.run_coroutine_threadsafe(self._stats(pb.StatsRequest(), None), loop).result(15)
 
-            start_metrics(snapshot, self.config.metrics_host, self.config.metrics_port)
+            self.metrics_port = start_metrics(snapshot, self.config.metrics_host, self.config.metrics_port)
         self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
         return port
 
@@ -133,9 +138,12 @@ class Front:
         if first is None:
             return
         tried, refusals = set(), []
+        numerics = _required_numerics(first)
         while True:
             try:
-                slot = await self.pool.acquire(exclude=tried)
+                slot = await self.pool.acquire(exclude=tried, numerics=numerics)
+            except NoSuchNumerics as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except NoReplica as e:
                 if refusals:  # every live replica refused: the edge hears the soonest retry
                     await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
@@ -212,6 +220,16 @@ class Front:
             for name in ("", SERVICE):
                 await self._health.set(name, codes.SERVING if serving else codes.NOT_SERVING)
             await self.pool.wait_for(lambda p, was=serving: bool(p.table.of(State.LIVE)) != was, timeout=None)
+
+
+def _required_numerics(first: bytes) -> str:
+    """The numerics identity a resumed session's open asks for ("" any; a message that does not parse
+    is the replica's to refuse)."""
+    try:
+        message = pb.EdgeMessage.FromString(first)
+    except DecodeError:
+        return ""
+    return message.open.numerics if message.WhichOneof("kind") == "open" else ""
 
 
 async def _abort(context, error: grpc.aio.AioRpcError) -> None:

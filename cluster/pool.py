@@ -35,6 +35,11 @@ class NoReplica(Exception):
     """No live replica within the open timeout (gRPC UNAVAILABLE)."""
 
 
+class NoSuchNumerics(Exception):
+    """A resumed session asks for numerics no replica of the pool computes (gRPC FAILED_PRECONDITION):
+    continuing elsewhere could give other tokens, so the session ends with what it committed."""
+
+
 class Pool:
     def __init__(self, config: PoolConfig):
         self.config = config
@@ -57,18 +62,32 @@ class Pool:
 
     # --- data plane helpers (per session, never per round) ---
 
-    async def acquire(self, session: bool = True, exclude: Collection[str] = ()) -> Slot:
+    async def acquire(self, session: bool = True, exclude: Collection[str] = (), numerics: str = "") -> Slot:
         """The least loaded live replica, with the session counted on it until `release`; waits while
         none is live. `session=False` only picks (a unary call, which is not load). `exclude` names the
         replicas that refused this session already: the next one is live now or not at all, no wait.
+        `numerics`: a resumed session's numerics identity; only a replica of that identity serves it.
 
-        Raises NoReplica after open_timeout_s, or at once when no live replica is left outside `exclude`.
+        Raises NoReplica after open_timeout_s, or at once when no live replica is left outside `exclude`;
+        NoSuchNumerics at once when no replica of the pool (live, restarting or starting) has `numerics`.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.open_timeout_s
         self._waiting += session
         try:
-            while (slot := self.table.acquire(exclude) if session else self.table.pick(exclude)) is None:
+            while (
+                slot := self.table.acquire(exclude, numerics)
+                if session
+                else self.table.pick(exclude, numerics)
+            ) is None:
+                if numerics and not any(
+                    self.info.get(name) is None or self.info[name].numerics == numerics
+                    for name in self.table.slots
+                ):
+                    raise NoSuchNumerics(
+                        f"no verifier replica computes numerics {numerics}, which this session began "
+                        "with: it cannot continue elsewhere without risking other tokens"
+                    )
                 if exclude:
                     raise NoReplica("no other live verifier replica to try")
                 if not await self._wait_change(deadline - loop.time()):
@@ -229,6 +248,7 @@ class Pool:
                 self._spawn(old.close())
             self._channels[name] = wire.channel(info.address, self._hop, self.config.front.max_message_bytes)
         self.info[name] = info
+        slot.numerics = info.numerics
         if slot.state is State.DRAINING:
             slot.address = info.address
         elif slot.state is not State.LIVE or slot.address != info.address:

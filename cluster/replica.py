@@ -19,6 +19,7 @@ class ReplicaInfo:
     address: str  # host:port of this incarnation's verifier server
     pid: int  # the process serving it (Ray's worker process for an actor)
     target_id: str
+    numerics: str = ""  # the engine's Numerics.identity: the pool routes a session to its own only
 
 
 class VerifierReplica:
@@ -48,7 +49,9 @@ class VerifierReplica:
                 host = self.config.server.host or _node_ip()
                 server_config = dataclasses.replace(self.config.server, host=host, port=0)
                 self._server, port = await start_server(engine, server_config)
-                self._info = ReplicaInfo(_join(host, port), os.getpid(), engine.info.target_id)
+                self._info = ReplicaInfo(
+                    _join(host, port), os.getpid(), engine.info.target_id, engine.numerics.identity
+                )
         return self._info
 
     async def until_stopped(self) -> None:

@@ -27,6 +27,7 @@ class Slot:
     state: State = State.STARTING
     address: str | None = None  # host:port of the replica's verifier server while LIVE or DRAINING
     sessions: int = 0
+    numerics: str = ""  # the replica's numerics identity (cluster/replica.py ReplicaInfo)
     last_pick: int = 0  # breaks ties between equally loaded replicas: the longest unpicked wins
 
 
@@ -55,19 +56,23 @@ class RoutingTable:
     def remove(self, name: str) -> None:
         self.slots.pop(name, None)
 
-    def pick(self, exclude: Collection[str] = ()) -> Slot | None:
-        """The least loaded live replica not named in `exclude` (the longest unpicked among equals); None
-        when there is none."""
-        live = [s for s in self.slots.values() if s.state is State.LIVE and s.name not in exclude]
+    def pick(self, exclude: Collection[str] = (), numerics: str = "") -> Slot | None:
+        """The least loaded live replica not named in `exclude` and, when `numerics` names one, of that
+        numerics identity (the longest unpicked among equals); None when there is none."""
+        live = [
+            s
+            for s in self.slots.values()
+            if s.state is State.LIVE and s.name not in exclude and (not numerics or s.numerics == numerics)
+        ]
         if not live:
             return None
         slot = min(live, key=lambda s: (s.sessions, s.last_pick))
         slot.last_pick = next(self._picks)
         return slot
 
-    def acquire(self, exclude: Collection[str] = ()) -> Slot | None:
+    def acquire(self, exclude: Collection[str] = (), numerics: str = "") -> Slot | None:
         """`pick`, with a new session counted on the replica until `release`."""
-        slot = self.pick(exclude)
+        slot = self.pick(exclude, numerics)
         if slot is not None:
             slot.sessions += 1
         return slot

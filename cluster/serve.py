@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from cluster.config import PoolConfig
 from cluster.front import Front
 from cluster.pool import Pool
+from draftwire import ports
 from verifier_service.servicer import wait_for_stop_signal
 
 
@@ -27,6 +28,10 @@ def run(config: PoolConfig, ray_config: RayConfig) -> None:
     """
     import ray
 
+    # A busy port is refused before Ray starts (the front checks again when it binds).
+    ports.check_free(config.front.host, config.front.port)
+    if config.front.metrics_port:
+        ports.check_free(config.front.metrics_host or "0.0.0.0", config.front.metrics_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Replica output stays in Ray's log files (`ray logs`, the dashboard), not on this process's stdout.
     extra = {"include_dashboard": False} if ray_config.address == "local" else {}
@@ -48,8 +53,8 @@ async def _serve(config: PoolConfig) -> None:
         await pool.start()
         target_id = next(iter(pool.info.values())).target_id
         print(f"draftwire: serving {target_id} on {config.front.host}:{port}", flush=True)
-        if config.front.metrics_port is not None:
-            front_metrics = f"http://{config.front.metrics_host}:{config.front.metrics_port}/metrics"
+        if front.metrics_port is not None:
+            front_metrics = f"http://{config.front.metrics_host}:{front.metrics_port}/metrics"
             print(f"draftwire: metrics on {front_metrics}", flush=True)
         await wait_for_stop_signal()
     finally:

@@ -76,6 +76,7 @@ class SessionSpec:
     tokenizer_fingerprint: str = ""  # the edge's vocabulary; empty skips the check
     vocab_size: int = 0  # the edge's vocabulary size, for the error message
     drafting: Drafting = Drafting.EDGE  # who drafts
+    numerics: str = ""  # the Numerics.identity the session must be verified with (a resume); "" any
 
     @property
     def thin(self) -> bool:
@@ -131,12 +132,37 @@ class TargetInfo:
 
 
 @dataclass(frozen=True)
+class Numerics:
+    """How a verifier computes the target's logits: what decides their bits. Two verifiers of the same
+    identity give a session the same tokens; a session never moves between identities (a pool routes
+    it, and a resume asks for it, by `identity`)."""
+
+    dtype: str  # "float32", "bfloat16"
+    kernels: str  # the kernel class: "onednn-avx2", "onednn-avx512_core_amx", "aten-cuda", …
+    device: str  # "cpu", "cuda", …
+    exact: bool  # invariant kernels: a position's logits do not depend on what shares its forward
+
+    @property
+    def identity(self) -> str:
+        return f"{self.dtype}/{self.kernels}/{self.device}/{'exact' if self.exact else 'plain'}"
+
+    @classmethod
+    def parse(cls, identity: str) -> Numerics:
+        """The inverse of `identity`; raises ValueError for a string that is none."""
+        parts = identity.split("/")
+        if len(parts) != 4 or parts[3] not in ("exact", "plain") or not all(parts):
+            raise ValueError(f"not a numerics identity: {identity!r}")
+        return cls(parts[0], parts[1], parts[2], parts[3] == "exact")
+
+
+@dataclass(frozen=True)
 class ModelInfo:
-    """What a verifier tells edges: its target and its limits."""
+    """What a verifier tells edges: its target, its limits and its numerics."""
 
     target: TargetInfo
     max_gamma: int  # most draft tokens one proposal may carry
     max_message_bytes: int  # largest message the verifier receives
+    numerics: Numerics | None = None  # None: an older verifier that does not say
 
 
 def is_stale(committed: Sequence[int], proposal: Proposal) -> bool:

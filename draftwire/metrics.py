@@ -60,6 +60,15 @@ def families(stats: pb.ServerStats) -> Iterator:
     yield refusals
     for name, field, doc in _GAUGES:
         yield GaugeMetricFamily(P + name, doc, value=getattr(stats, field))
+    numerics = GaugeMetricFamily(
+        P + "numerics_info",
+        "1 for each numerics the verifier (or a pool's replicas) computes the target's logits with: dtype, "
+        "kernel class, device, and whether the kernels are bit-exact (invariant).",
+        labels=["dtype", "kernels", "device", "exact"],
+    )
+    for n in stats.numerics:
+        numerics.add_metric([n.dtype, n.kernels, n.device, str(n.exact).lower()], 1)
+    yield numerics
     yield _histogram(
         "engine_batch_seconds",
         "Duration of the target's forward passes (one per batch of sessions).",

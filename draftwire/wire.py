@@ -15,6 +15,7 @@ from draftwire.contract import (
     Drafting,
     Finish,
     ModelInfo,
+    Numerics,
     Proposal,
     SamplingParams,
     SessionSpec,
@@ -125,7 +126,7 @@ def explain(code: grpc.StatusCode, details: str, credentials: ClientCredentials)
             "requires client certificates, give --tls-cert and --tls-key)"
         )
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return f"{said} (give a token the verifier knows: --token or DRAFTWIRE_TOKEN)"
+        return f"{said} (give a token the verifier knows: --token-file FILE or DRAFTWIRE_TOKEN)"
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return f"{said} (this client's token does not allow it)"
     return said
@@ -152,6 +153,7 @@ def spec_to_proto(spec: SessionSpec) -> pb.OpenSession:
         vocab_size=spec.vocab_size,
         generated_token_ids=spec.generated_token_ids,
         drafting=_DRAFTING[spec.drafting],
+        numerics=spec.numerics,
     )
 
 
@@ -166,6 +168,7 @@ def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
         tokenizer_fingerprint=m.tokenizer_fingerprint,
         vocab_size=m.vocab_size,
         drafting=_DRAFTING_BACK.get(m.drafting, Drafting.EDGE),
+        numerics=m.numerics,
     )
 
 
@@ -229,7 +232,12 @@ def model_info_to_proto(m: ModelInfo) -> pb.ModelInfo:
         ),
         chat_template=t.chat_template,
         max_message_bytes=m.max_message_bytes,
+        numerics=numerics_to_proto(m.numerics) if m.numerics else None,
     )
+
+
+def numerics_to_proto(n: Numerics) -> pb.Numerics:
+    return pb.Numerics(dtype=n.dtype, kernels=n.kernels, device=n.device, exact=n.exact, identity=n.identity)
 
 
 def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
@@ -243,4 +251,8 @@ def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
         pad_token_id=special.pad_token_id if special.HasField("pad_token_id") else None,
         chat_template=m.chat_template,
     )
-    return ModelInfo(target=target, max_gamma=m.max_gamma, max_message_bytes=m.max_message_bytes)
+    n = m.numerics
+    numerics = Numerics(n.dtype, n.kernels, n.device, n.exact) if m.HasField("numerics") else None
+    return ModelInfo(
+        target=target, max_gamma=m.max_gamma, max_message_bytes=m.max_message_bytes, numerics=numerics
+    )

@@ -44,8 +44,11 @@ class GenerationRequest:
         """Whether γ or the pipeline depth is left to a Tuner."""
         return self.gamma is None or self.pipeline is None
 
-    def spec(self, generated: Sequence[int] = (), fingerprint: str = "", vocab_size: int = 0) -> SessionSpec:
-        """The session to open for this request, resuming after `generated` tokens."""
+    def spec(
+        self, generated: Sequence[int] = (), fingerprint: str = "", vocab_size: int = 0, numerics: str = ""
+    ) -> SessionSpec:
+        """The session to open for this request, resuming after `generated` tokens on a verifier of
+        `numerics` (the identity the session began with; "" any)."""
         return SessionSpec(
             prompt_token_ids=self.prompt_token_ids,
             sampling=self.sampling,
@@ -56,6 +59,7 @@ class GenerationRequest:
             tokenizer_fingerprint=fingerprint,
             vocab_size=vocab_size,
             drafting=self.drafting,
+            numerics=numerics,
         )
 
 
@@ -80,6 +84,7 @@ class GenerationStats:
     wire_bytes: int = 0  # serialized protobuf payload sent and received (no HTTP/2 framing)
     gamma_cap: int = 0  # the γ cap the last verdict advertised (0: none); min_gamma_cap the lowest
     min_gamma_cap: int = 0
+    numerics: str = ""  # the verifier's numerics identity from the first open; resumes ask for it
 
     @property
     def acceptance_rate(self) -> float:

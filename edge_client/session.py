@@ -160,7 +160,7 @@ class EdgeSession:
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
         try:
-            await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated)), stats)
+            await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated, stats)), stats)
             while not plan.finished:
                 verdict = inbox.get_nowait()
                 if verdict is None:
@@ -196,7 +196,7 @@ class EdgeSession:
             if error.code == grpc.StatusCode.INTERNAL and (
                 not inbox.opened or error.details == _CORE_INTERNAL
             ):
-                await self._raise_open_refusal(request, generated)
+                await self._raise_open_refusal(request, generated, stats)
                 # The verifier accepts this open: the bare INTERNAL was the transport failing under the
                 # writes (a dropped connection or a killed verifier, say), which a resume can cure.
                 error = VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
@@ -213,7 +213,7 @@ class EdgeSession:
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
         try:
-            await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated)), stats)
+            await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated, stats)), stats)
             await call.done_writing()
             finish = None
             while finish is None:
@@ -240,7 +240,9 @@ class EdgeSession:
             inbox.close()
             call.cancel()
 
-    async def _raise_open_refusal(self, request: GenerationRequest, generated: list[int]) -> None:
+    async def _raise_open_refusal(
+        self, request: GenerationRequest, generated: list[int], stats: GenerationStats
+    ) -> None:
         """Raises the verifier's status for this open, if it refuses it.
 
         The first proposal leaves right behind the open message, without waiting. When the verifier
@@ -248,7 +250,7 @@ class EdgeSession:
         INTERNAL for the whole call. A stream with the open message alone gets the real status."""
         call = self.stub.Session(timeout=self.timeouts.call_s)
         try:
-            await call.write(pb.EdgeMessage(open=self._open_message(request, generated)))
+            await call.write(pb.EdgeMessage(open=self._open_message(request, generated, stats)))
             await call.read()
         except grpc.aio.AioRpcError as e:
             raise VerifierError(e.code(), e.details() or "") from None
@@ -269,11 +271,16 @@ class EdgeSession:
         finally:
             stats.draft_s += time.perf_counter() - start
 
-    def _open_message(self, request: GenerationRequest, generated: list[int]) -> pb.OpenSession:
+    def _open_message(
+        self, request: GenerationRequest, generated: list[int], stats: GenerationStats
+    ) -> pb.OpenSession:
+        """The open (or resume) message; a resume asks for the numerics the session began with, so it
+        never continues on a verifier that could compute other tokens."""
         vocabulary = self.vocabulary
         if vocabulary is None:  # a thin client that sends ids as they are
-            return wire.spec_to_proto(request.spec(generated))
-        return wire.spec_to_proto(request.spec(generated, vocabulary.fingerprint, vocabulary.size))
+            return wire.spec_to_proto(request.spec(generated, numerics=stats.numerics))
+        spec = request.spec(generated, vocabulary.fingerprint, vocabulary.size, stats.numerics)
+        return wire.spec_to_proto(spec)
 
     @staticmethod
     async def _write(call, message: pb.EdgeMessage, stats: GenerationStats) -> None:
@@ -350,6 +357,7 @@ class _Inbox:
                 elif kind == "opened":
                     self.opened = True
                     self.stats.reused_positions = message.opened.reused_positions
+                    self.stats.numerics = self.stats.numerics or message.opened.numerics
         except grpc.aio.AioRpcError as e:
             self._queue.put_nowait(VerifierError(e.code(), e.details() or ""))
         except VerifierError as e:

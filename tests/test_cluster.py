@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -424,3 +425,62 @@ def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engi
     finally:
         loop.run(front.stop(0))
         loop.run(pool.close())
+
+
+def test_a_pool_of_mixed_numerics_resumes_a_session_only_on_its_own(loop, test_pair, engine):
+    """Two replicas started with different numerics: one with the bit-exact kernels, one with plain ones
+    (--no-bit-exact). A session on the exact replica whose process is killed waits for that replica's
+    restart and resumes there exactly, never on the live plain one. When the exact replica is gone for
+    good, the resume is refused with FAILED_PRECONDITION naming the numerics, and the edge keeps every
+    token committed so far, each the target's."""
+    scaling = ScalingConfig(min_replicas=1, max_replicas=1, interval_s=0.5)
+    pool, front, address = loop.run(start_pool(pool_config(test_pair, scaling)), timeout=180)
+    new_tokens = 160
+    try:
+        pool._replica_config = replace(pool._replica_config, invariant=False)  # noqa: SLF001 - the next replica
+        loop.run(_resized(pool, 2), timeout=150)
+        by_kind = {pool.info[n].numerics.rsplit("/", 1)[1]: n for n in pool.info}
+        assert sorted(by_kind) == ["exact", "plain"], pool.info
+        exact, plain = by_kind["exact"], by_kind["plain"]
+        assert pool.info[exact].numerics == engine.numerics.identity
+
+        async def killed_mid_run(kill):
+            """Two paced generations, one on each replica; `kill` when both have committed 16 tokens.
+            Returns (prompt, committed ids, stats, exception or None) per generation, and the replicas'
+            stats just before the kill."""
+            await pool.wait_for(live(2), timeout=120)
+            async with grpc.aio.insecure_channel(address) as channel:
+                runs = [generation(channel, engine, p, new_tokens, seed=i) for i, p in enumerate(PROMPTS[:2])]
+                while min(len(c) for _, c, _ in runs) < 16:
+                    await asyncio.sleep(0.01)
+                assert [s.sessions for s in pool.table.slots.values()] == [1, 1]
+                before = await replica_stats(pool)
+                kill()
+                outcomes = await asyncio.gather(*(task for task, _, _ in runs), return_exceptions=True)
+            runs = [(p, c, s, o) for p, (_, c, s), o in zip(PROMPTS, runs, outcomes, strict=False)]
+            return runs, before
+
+        # 1. SIGKILL: Ray restarts the exact replica, and its session waits for it.
+        runs, before = loop.run(killed_mid_run(lambda: os.kill(pool.info[exact].pid, signal.SIGKILL)), 180)
+        [(prompt, ids, _, outcome)] = [r for r in runs if r[2].resumes == 1]
+        assert outcome is None and ids == expected(engine, prompt, new_tokens)
+        after = loop.run(replica_stats(pool))
+        assert after[plain].sessions_opened == before[plain].sessions_opened  # no resume went there
+        assert after[exact].sessions_opened >= 1  # the restarted process took the resume
+
+        # 2. Gone for good (no restart): nothing computes the session's numerics any more. The pool
+        # replaces the replica with one of the plain kind, and the resume is refused, not moved there.
+        actor = pool._actors[exact]  # noqa: SLF001
+        runs, _ = loop.run(killed_mid_run(lambda: ray.kill(actor, no_restart=True)), 180)
+        [(prompt, ids, _, outcome)] = [r for r in runs if r[3] is not None]
+        assert outcome.code == grpc.StatusCode.FAILED_PRECONDITION, outcome
+        assert engine.numerics.identity in outcome.details
+        assert 16 <= len(ids) < new_tokens and ids == expected(engine, prompt, new_tokens)[: len(ids)]
+    finally:
+        loop.run(front.stop(0))
+        loop.run(pool.close())
+
+
+async def _resized(pool: Pool, n: int) -> None:
+    pool.resize(n)
+    await pool.wait_for(live(n), timeout=120)

@@ -167,7 +167,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return (self.tokens.named(name) if self.tokens else Identity(name)), ""
         if token:
             return None, "this server takes no tokens from clients"
-        return None, "no credentials: send a token (--token, or DRAFTWIRE_TOKEN)"
+        return None, "no credentials: send a token (--token-file FILE, or DRAFTWIRE_TOKEN)"
 
 
 def interceptors(auth: AuthConfig, tls: TlsConfig | None) -> list[AuthInterceptor]:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, TargetInfo, bucket
+from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, Numerics, TargetInfo, bucket
 from verifier_service.engine import Forward
 from verifier_service.gamma_cap import GammaCap
 
@@ -26,6 +26,7 @@ class Engine(Protocol):
     """What the batcher runs: `TargetEngine`, or a fake with deterministic logits in tests."""
 
     info: TargetInfo
+    numerics: Numerics  # what decides the logits' bits (verifier_service/numerics.py)
 
     def forward_many(self, forwards: Sequence[Forward]) -> list[torch.Tensor | None]: ...
 

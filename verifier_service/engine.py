@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache
 
-from draftwire.contract import TargetInfo
+from draftwire.contract import Numerics, TargetInfo
 from draftwire.vocab import vocabulary_from_hf
-from verifier_service.invariant import exact_attention, make_invariant
-from verifier_service.invariant import supported as invariant_supported
+from verifier_service import numerics as numerics_
+from verifier_service.invariant import NotInvariant, exact_attention, make_invariant
+from verifier_service.numerics import Hardware, NoExactPath
 
-
-class NoInvariantKernels(ValueError):
-    """Bit-exact (invariant) mode asked for a dtype and device without kernels for it."""
+NoInvariantKernels = NoExactPath  # the name callers knew
 
 
 @dataclass(frozen=True)
@@ -264,10 +263,17 @@ class TargetEngine:
     serialise calls, e.g. on one executor thread)."""
 
     def __init__(
-        self, model: torch.nn.Module, info: TargetInfo, device: torch.device, invariant: bool = False
+        self,
+        model: torch.nn.Module,
+        info: TargetInfo,
+        device: torch.device,
+        invariant: bool = False,
+        numerics: Numerics | None = None,
     ):
         """`invariant`: each position's logits bitwise independent of what else is in the forward
-        (verifier_service/invariant.py); raises ValueError where there are no kernels for that."""
+        (verifier_service/invariant.py); raises ValueError where there are no kernels for that, and
+        NotInvariant where the kernels' check fails on this machine. `numerics`: what the engine
+        reports as its numerics identity (default: read off this machine)."""
         model.set_attn_implementation(ROWS_ATTENTION)
         if invariant:
             make_invariant(model)
@@ -275,32 +281,87 @@ class TargetEngine:
         self.model = model
         self.info = info
         self.device = device
+        dtype = str(model.dtype).removeprefix("torch.")
+        self.numerics = numerics or Hardware.detect(device.type).numerics(dtype, invariant)
+        self.passed_over: tuple[str, ...] = ()  # faster dtypes `load` tried and found not exact here
         self._layers = model.config.get_text_config().num_hidden_layers
         self._caches: dict[str, _Cache] = {}
         self.prefix_cache = PrefixCache(PrefixCacheConfig())  # keeps nothing until configured
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: str | None = None, dtype: str = "auto", invariant: bool = True
+        cls,
+        model_dir: Path,
+        device: str | None = None,
+        dtype: str = "auto",
+        invariant: bool = True,
+        hardware: Hardware | None = None,
     ) -> TargetEngine:
-        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto", which is
-        bfloat16: on CUDA as everywhere, and on CPU the faster once invariant, docs/invariance.md), in
-        invariant mode unless asked not to (`invariant=False` gives up bit-exactness against `reference`).
+        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto": the fastest
+        dtype that is bit-exact on this hardware, verifier_service/numerics.py), in invariant mode unless
+        asked not to (`invariant=False` gives up bit-exactness against `reference`). In invariant mode
+        the dtype is proven at load: the kernels' check, then `check_invariance`; auto falls back to
+        the next dtype where that fails.
 
-        Raises OSError or ValueError from transformers when the directory holds no causal LM, ValueError
-        NoInvariantKernels (a ValueError) for invariant mode where there are no kernels for it (CUDA today).
+        Raises OSError or ValueError from transformers when the directory holds no causal LM, and
+        NoExactPath (a ValueError, with one line saying what is missing and the choices) where invariant
+        mode cannot run the dtype asked for here.
         """
         model_dir = Path(model_dir)
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" else dtype)
-        if invariant and not invariant_supported(torch_dtype, dev):
-            raise NoInvariantKernels(
-                f"no bit-exact (invariant) kernels for {torch_dtype} on {dev.type}: run with the plain "
-                "kernels (--no-bit-exact), which gives up output identical to the target alone"
-            )
+        hardware = hardware or Hardware.detect(device)
+        dev = torch.device(device or hardware.device)
+        candidates = numerics_.plan(dtype, hardware, invariant)
+        if invariant and len(candidates) > 1:
+            config = AutoConfig.from_pretrained(model_dir)
+            candidates = numerics_.fastest_first(candidates, numerics_.probe_shapes(config))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(dev).eval()
-        return cls(model, target_info(model_dir.name, tokenizer, model.config), dev, invariant)
+        passed_over = []
+        for name in candidates:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, name))
+            model = model.to(dev).eval()
+            info = target_info(model_dir.name, tokenizer, model.config)
+            try:
+                engine = cls(model, info, dev, invariant, hardware.numerics(name, invariant))
+                if invariant:
+                    engine.check_invariance()
+            except NotInvariant as e:
+                passed_over.append(f"{name}: {e}")
+                continue
+            engine.passed_over = tuple(passed_over)
+            return engine
+        raise NoExactPath(
+            f"no dtype is bit-exact on this machine ({'; '.join(passed_over)}): run with --no-bit-exact, "
+            "which gives up output identical to the target alone"
+        )
+
+    def check_invariance(self, prompt: int = 6, gamma: int = 4, seed: int = 0) -> None:
+        """Proves invariant mode on this machine with the real model: the logits of γ + 1 positions
+        computed one forward each equal, bit for bit, the same positions inside one γ + 1 forward and
+        inside a ragged batch beside another session. Raises NotInvariant otherwise. Costs about
+        4 (γ + 1) + 2 prompt positions of forward."""
+        generator = torch.Generator().manual_seed(seed)
+        size = self.info.vocabulary.size
+        ids = torch.randint(0, size, (2, prompt + gamma + 1), generator=generator).tolist()
+        head, new = ids[0][:prompt], ids[0][prompt:]
+        keys = [f"check-invariance-{i}" for i in range(4)]
+        try:
+            for key in keys[:3]:
+                self.forward(key, 0, head, wants_logits=False)
+            alone = torch.cat([self.forward(keys[0], prompt + i, [t]) for i, t in enumerate(new)])
+            round_ = self.forward(keys[1], prompt, new)
+            self.forward(keys[3], 0, ids[1][:prompt], wants_logits=False)
+            batch = self.forward_many(
+                [Forward(keys[2], prompt, tuple(new)), Forward(keys[3], prompt, (ids[1][prompt],))]
+            )
+            for where, logits in (("a γ + 1 forward", round_), ("a batch", batch[0])):
+                if not torch.equal(logits, alone):
+                    raise NotInvariant(
+                        f"{self.numerics.dtype} logits inside {where} differ from the same positions "
+                        "computed one at a time on this machine"
+                    )
+        finally:
+            for key in keys:
+                self._caches.pop(key, None)
 
     @property
     def active_sessions(self) -> int:

@@ -50,9 +50,20 @@ ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
 }
 
 
+class NotInvariant(RuntimeError):
+    """The kernels give a row different bits depending on what shares its call, on this machine."""
+
+
 def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether this module has kernels for the dtype on the device (CPU with oneDNN only)."""
-    return torch.device(device).type == "cpu" and dtype in ROW_POLICY and torch.backends.mkldnn.is_available()
+    """Whether this module has kernels for the dtype on the device: CPU with oneDNN only, and for
+    bfloat16 a CPU on which oneDNN runs bfloat16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not plain AVX2)."""
+    if (
+        torch.device(device).type != "cpu"
+        or dtype not in ROW_POLICY
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -97,7 +108,7 @@ def make_invariant(model: nn.Module, check: bool = True) -> nn.Module:
     plain nn.Linear (attention projections, MLP, lm_head) runs `packed_linear`. Attention is the caller's
     to route through `exact_attention`. Returns the model.
 
-    Raises ValueError for a dtype or device without kernels here; RuntimeError when `check` finds
+    Raises ValueError for a dtype or device without kernels here; NotInvariant when `check` finds
     oneDNN not row-invariant on this machine for the model's shapes (then the mode cannot be trusted).
     """
     linears = [m for m in model.modules() if type(m) in (nn.Linear, InvariantLinear)]
@@ -116,7 +127,7 @@ def make_invariant(model: nn.Module, check: bool = True) -> nn.Module:
 
 
 def check_linear(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], seed: int = 0) -> None:
-    """Raises RuntimeError unless `packed_linear` gives rows bitwise the same result alone as among
+    """Raises NotInvariant unless `packed_linear` gives rows bitwise the same result alone as among
     others, on random data, for each (in_features, out_features): every row count up to 65 and some up
     to two chunks on small shapes, a few up to one chunk on large ones (an lm_head). About a second."""
     _, _, max_rows = ROW_POLICY[dtype]
@@ -133,7 +144,7 @@ def check_linear(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], seed: in
         for n in counts:
             out = packed_linear(x[:n], packed)
             if not (torch.equal(out[:1], alone[0]) and torch.equal(out[n - 1 : n], alone[n - 1])):
-                raise RuntimeError(
+                raise NotInvariant(
                     f"oneDNN's {dtype} inner product is not row-invariant on this machine "
                     f"({n} rows, {fan_in} -> {fan_out})"
                 )

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from draftwire import wire
+from draftwire import ports, widths, wire
 from draftwire.contract import ModelInfo
 from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
@@ -80,7 +80,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return wire.model_info_to_proto(
-            ModelInfo(self.engine.info, self.config.limits.max_gamma, self.config.max_message_bytes)
+            ModelInfo(
+                self.engine.info,
+                self.config.limits.max_gamma,
+                self.config.max_message_bytes,
+                self.engine.numerics,
+            )
         )
 
     async def GetStats(self, request, context) -> pb.ServerStats:
@@ -117,6 +122,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             batch_seconds_counts=b.seconds_counts,
             batch_size_counts=b.size_counts,
             gamma_cap=self.batcher.gamma_cap.value,
+            numerics=[wire.numerics_to_proto(self.engine.numerics)],
         )
 
     async def Session(self, request_iterator, context):
@@ -159,6 +165,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         session_id=key,
                         committed_length=len(session.committed),
                         reused_positions=session.reused_positions,
+                        numerics=self.engine.numerics.identity,
                     )
                     await lifetime.sent(context.write(pb.VerifierMessage(opened=opened)))
                     # A thin session: the verifier decodes it to the finish on its own.
@@ -267,6 +274,7 @@ class VerifierServer:
 
     def __init__(self, server: grpc.aio.Server, servicer: VerifierServicer, health_servicer):
         self.server, self.servicer, self.health = server, servicer, health_servicer
+        self.metrics_port: int | None = None  # where the Prometheus metrics listen (None: nowhere)
 
     async def stop(self, grace: float | None = None) -> None:
         await self.server.stop(grace)
@@ -292,16 +300,25 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[Veri
     pb_grpc.add_VerifierServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server)
     port = await bind_and_start(server, config.host, config.port, config.tls)
+    metrics_port = None
     if config.metrics_port is not None:
-        start_metrics(servicer.stats_proto, config.metrics_host, config.metrics_port)
+        try:
+            metrics_port = start_metrics(servicer.stats_proto, config.metrics_host, config.metrics_port)
+        except BaseException:
+            await server.stop(None)
+            raise
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return VerifierServer(server, servicer, health_servicer), port
+    started = VerifierServer(server, servicer, health_servicer)
+    started.metrics_port = metrics_port  # the bound one (metrics_port 0 picks a free port)
+    return started, port
 
 
 def start_metrics(snapshot, host: str, port: int) -> int:
     """Serves Prometheus metrics made from `snapshot()` (a ServerStats) at http://host:port/metrics, on
-    a thread of prometheus_client's; returns the bound port. Raises OSError when it cannot bind."""
+    a thread of prometheus_client's; returns the bound port (0 picks a free one). Raises ports.PortInUse
+    when something listens there, OSError when it cannot bind otherwise."""
+    ports.check_free(host or "0.0.0.0", port)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(snapshot))
     httpd, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
@@ -320,12 +337,13 @@ def add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServi
 
 def make_server(config: ServerConfig) -> grpc.aio.Server:
     """A grpc.aio server with the config's message limits, keepalive (a vanished client's streams end)
-    and its authentication (auth.interceptors).
+    and its authentication (auth.interceptors); without SO_REUSEPORT, so that it never shares a port
+    (draftwire.ports).
 
     Raises OSError or auth.BadTokenFile when the token file cannot be read."""
     options = wire.message_size_options(config.max_message_bytes)
     return grpc.aio.server(
-        options=[*options, *KEEPALIVE_OPTIONS],
+        options=[*options, *KEEPALIVE_OPTIONS, *ports.SERVER_OPTIONS],
         interceptors=[*auth.interceptors(config.auth, config.tls), MalformedRequests()],
     )
 
@@ -340,12 +358,14 @@ class _Malformed:
 class MalformedRequests(grpc.aio.ServerInterceptor):
     """A call with one request (unary, or server streaming like health Watch) whose bytes do not parse
     gets INVALID_ARGUMENT, where grpc would answer UNKNOWN. (A Session's messages: the servicer catches
-    the DecodeError.) Innermost: authentication comes first."""
+    the DecodeError.) A uint32 field holding 2**32 or more is such bytes too, refused before protobuf
+    would keep its low 32 bits (draftwire.widths). Innermost: authentication comes first."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        handler = handler._replace(request_deserializer=widths.strict_parser(handler.request_deserializer))
         if handler.unary_unary is None and handler.unary_stream is None:
             return handler
         parse = handler.request_deserializer
@@ -404,7 +424,9 @@ async def bind_and_start(server: grpc.aio.Server, host: str, port: int, tls: Tls
     """Binds host:port (0 picks a free port), with TLS when given, and starts serving; returns the
     bound port.
 
-    Raises RuntimeError when the address cannot be bound."""
+    Raises ports.PortInUse (a RuntimeError) when something listens there, RuntimeError when the address
+    cannot be bound otherwise."""
+    ports.check_free(host, port)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:

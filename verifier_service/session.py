@@ -117,6 +117,12 @@ class VerifierSession:
                 f"{spec.tokenizer_fingerprint[:16]}; the target {info.target_id!r} has "
                 f"{info.vocabulary.describe()}"
             )
+        numerics = batcher.engine.numerics.identity
+        if spec.numerics and spec.numerics != numerics:
+            raise WrongState(
+                f"this session was verified with numerics {spec.numerics}; this verifier computes "
+                f"{numerics}, which could give other tokens: it cannot continue the session here"
+            )
         if not spec.prompt_token_ids:
             raise InvalidRequest("the prompt is empty: send at least one token id")
         self._check_ids(spec.prompt_token_ids, "prompt")

@@ -30,7 +30,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes")
+    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class ModelInfo(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -47,7 +48,22 @@ class ModelInfo(_message.Message):
     special_tokens: SpecialTokens
     chat_template: str
     max_message_bytes: int
-    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    numerics: Numerics
+    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ...) -> None: ...
+
+class Numerics(_message.Message):
+    __slots__ = ("dtype", "kernels", "device", "exact", "identity")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    kernels: str
+    device: str
+    exact: bool
+    identity: str
+    def __init__(self, dtype: _Optional[str] = ..., kernels: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., identity: _Optional[str] = ...) -> None: ...
 
 class SpecialTokens(_message.Message):
     __slots__ = ("bos_token_id", "eos_token_ids", "pad_token_id")
@@ -82,7 +98,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting")
+    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +106,7 @@ class OpenSession(_message.Message):
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stop: StopConditions
@@ -97,7 +114,8 @@ class OpenSession(_message.Message):
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
     drafting: Drafting
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ...) -> None: ...
+    numerics: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids")
@@ -120,14 +138,16 @@ class EdgeMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "committed_length", "reused_positions")
+    __slots__ = ("session_id", "committed_length", "reused_positions", "numerics")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REUSED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_length: int
     reused_positions: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ...) -> None: ...
+    numerics: str
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap")
@@ -170,7 +190,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +221,7 @@ class ServerStats(_message.Message):
     BATCH_SIZE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     THIN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_CAP_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -224,4 +245,5 @@ class ServerStats(_message.Message):
     batch_size_counts: _containers.RepeatedScalarFieldContainer[int]
     thin_sessions: int
     gamma_cap: int
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ...) -> None: ...
+    numerics: _containers.RepeatedCompositeFieldContainer[Numerics]
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ...) -> None: ...

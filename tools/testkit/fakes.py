@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from draftwire.contract import (
     Finish,
+    Numerics,
     Proposal,
     SamplingParams,
     SessionSpec,
@@ -67,6 +68,7 @@ class FakeEngine:
 
         self._torch = torch
         self.info = info or fake_info()
+        self.numerics = Numerics("float32", "fake", "cpu", True)
         self.held: dict[str, int] = {}  # positions each session's "cache" holds
         self.batches: list[list] = []  # the forwards of each engine call, in order
         self.released: list[str] = []

@@ -1,0 +1,20 @@
+"""Skips for what this CPU lacks, each naming the missing feature, and the dtype exact mode runs here."""
+
+import pytest
+import torch
+
+from verifier_service import invariant
+from verifier_service.numerics import Hardware, bf16_refusal
+
+BF16 = invariant.supported(torch.bfloat16)
+needs_bf16 = pytest.mark.skipif(not BF16, reason=bf16_refusal(Hardware.detect("cpu")) if not BF16 else "")
+# The dtype `--dtype auto` proves first on this CPU: bfloat16 where oneDNN has it, else float32.
+EXACT_DTYPE = "bfloat16" if BF16 else "float32"
+
+
+def dtype_params(*dtypes):
+    """pytest params of dtypes (torch dtypes or names), bfloat16 skipped where the CPU lacks it."""
+    return [
+        pytest.param(d, marks=needs_bf16, id=str(d)) if "bfloat16" in str(d) else pytest.param(d, id=str(d))
+        for d in dtypes
+    ]

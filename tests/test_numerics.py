@@ -1,0 +1,213 @@
+"""`--dtype auto` and the numerics identity (verifier_service/numerics.py), with the hardware injected so that
+every branch runs on every machine; then the load-time proof on a real (tiny) target on this CPU."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftwire.contract import Numerics
+from verifier_service import numerics
+from verifier_service.engine import TargetEngine
+from verifier_service.invariant import NotInvariant
+from verifier_service.numerics import Hardware, NoExactPath
+
+AVX2 = frozenset("sse4_1 sse4_2 avx avx2 fma f16c".split())
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+ZEN4 = AVX512 | {"avx512_bf16", "avx512_vnni"}
+SPR = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+AVX2_CPU = Hardware(cpu_flags=AVX2, onednn_bf16=False)
+ZEN4_CPU = Hardware(cpu_flags=ZEN4, onednn_bf16=True)
+SPR_CPU = Hardware(cpu_flags=SPR, onednn_bf16=True)
+GPU = Hardware(device="cuda", cpu_flags=AVX2)
+NO_ONEDNN = Hardware(cpu_flags=AVX2, onednn=False)
+
+
+@pytest.mark.parametrize(
+    "hardware, requested, exact, expected",
+    [
+        (AVX2_CPU, "auto", True, ["float32"]),
+        (AVX2_CPU, "float32", True, ["float32"]),
+        (ZEN4_CPU, "auto", True, ["bfloat16", "float32"]),
+        (ZEN4_CPU, "bfloat16", True, ["bfloat16"]),
+        (ZEN4_CPU, "float32", True, ["float32"]),
+        (SPR_CPU, "auto", True, ["bfloat16", "float32"]),
+        (AVX2_CPU, "auto", False, ["float32"]),
+        (AVX2_CPU, "bfloat16", False, ["bfloat16"]),
+        (ZEN4_CPU, "auto", False, ["bfloat16"]),
+        (GPU, "auto", False, ["bfloat16"]),
+        (GPU, "float32", False, ["float32"]),
+    ],
+)
+def test_plan_lists_the_dtypes_to_try_best_first(hardware, requested, exact, expected):
+    assert numerics.plan(requested, hardware, exact) == expected
+
+
+def test_bfloat16_on_a_cpu_without_its_kernels_is_refused_naming_the_missing_features():
+    with pytest.raises(NoExactPath) as refused:
+        numerics.plan("bfloat16", AVX2_CPU, exact=True)
+    message = str(refused.value)
+    assert "lacks avx512bw, avx512vl, avx512dq, avx_ne_convert" in message
+    assert "--dtype float32" in message and "--no-bit-exact" in message
+    assert "\n" not in message
+
+
+def test_the_missing_features_are_those_the_cpu_lacks():
+    partial = Hardware(cpu_flags=AVX2 | {"avx512f", "avx512bw"}, onednn_bf16=False)
+    assert partial.missing_for_bf16 == ("avx512vl", "avx512dq", "avx_ne_convert")
+    assert ZEN4_CPU.missing_for_bf16 == ()
+
+
+@pytest.mark.parametrize("hardware", [GPU, NO_ONEDNN])
+def test_exact_mode_without_invariant_kernels_is_refused_with_the_way_out(hardware):
+    with pytest.raises(NoExactPath, match="--no-bit-exact"):
+        numerics.plan("auto", hardware, exact=True)
+
+
+def test_an_unknown_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="float16"):
+        numerics.plan("float16", AVX2_CPU, exact=True)
+
+
+@pytest.mark.parametrize(
+    "flags, machine, isa",
+    [
+        (AVX2, "x86_64", "avx2"),
+        (AVX2 | {"avx_vnni"}, "x86_64", "avx2_vnni"),
+        (AVX512, "x86_64", "avx512_core"),
+        (ZEN4, "x86_64", "avx512_core_bf16"),
+        (SPR, "x86_64", "avx512_core_amx"),
+        (frozenset({"sse4_1"}), "x86_64", "sse41"),
+        (frozenset(), "x86_64", "x64"),
+        (frozenset({"asimd"}), "aarch64", "asimd"),
+        (frozenset({"asimd", "sve"}), "aarch64", "sve"),
+    ],
+)
+def test_kernel_class_names_the_isa_that_decides_the_bits(flags, machine, isa):
+    hardware = Hardware(cpu_flags=flags, machine=machine)
+    assert hardware.kernel_class(exact=True) == f"onednn-{isa}"
+
+
+def test_numerics_identity_separates_what_changes_the_bits():
+    identities = {
+        AVX2_CPU.numerics("float32", True).identity,
+        AVX2_CPU.numerics("float32", False).identity,
+        ZEN4_CPU.numerics("float32", True).identity,
+        ZEN4_CPU.numerics("bfloat16", True).identity,
+        SPR_CPU.numerics("bfloat16", True).identity,
+        GPU.numerics("bfloat16", False).identity,
+    }
+    assert len(identities) == 6
+    n = SPR_CPU.numerics("bfloat16", True)
+    assert n.identity == "bfloat16/onednn-avx512_core_amx/cpu/exact"
+    assert Numerics.parse(n.identity) == n
+    for bad in ("", "float32/x/cpu", "float32/x/cpu/maybe", "a//b/exact"):
+        with pytest.raises(ValueError):
+            Numerics.parse(bad)
+
+
+def test_fastest_first_orders_by_the_timer_and_keeps_order_on_ties():
+    times = {"bfloat16": 2.0, "float32": 1.0}
+    assert numerics.fastest_first(["bfloat16", "float32"], [(8, 8)], lambda d, s: times[d]) == [
+        "float32",
+        "bfloat16",
+    ]
+    assert numerics.fastest_first(["bfloat16", "float32"], [(8, 8)], lambda d, s: 1.0) == [
+        "bfloat16",
+        "float32",
+    ]
+    assert numerics.fastest_first(["float32"], [(8, 8)], lambda d, s: 1 / 0) == ["float32"]
+
+
+def test_cpu_flags_reads_x86_and_arm_cpuinfo(tmp_path: Path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve\n")
+    assert numerics.cpu_flags(x86) == {"fpu", "avx2", "avx512f"}
+    assert numerics.cpu_flags(arm) == {"fp", "asimd", "sve"}
+    assert numerics.cpu_flags(tmp_path / "none") == frozenset()
+
+
+def test_detect_agrees_with_torch_on_this_machine():
+    hardware = Hardware.detect("cpu")
+    assert hardware.onednn_bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not hardware.onednn_bf16:
+        assert hardware.missing_for_bf16  # a CPU without the kernels lacks something we can name
+
+
+# --- the load-time proof, on a real tiny target on this CPU ---
+
+
+@pytest.fixture(scope="module")
+def target_dir(test_pair):
+    return test_pair.target_dir
+
+
+def test_auto_loads_an_exact_path_and_says_which(target_dir):
+    engine = TargetEngine.load(target_dir, dtype="auto")
+    hardware = Hardware.detect("cpu")
+    assert engine.invariant and engine.numerics.exact
+    assert engine.numerics.kernels == hardware.kernel_class(True)
+    assert engine.numerics.dtype == str(engine.model.dtype).removeprefix("torch.")
+    if not hardware.onednn_bf16:
+        assert engine.numerics.dtype == "float32"
+    engine.check_invariance(gamma=7, seed=3)  # the proof holds for other shapes too
+
+
+def test_auto_falls_back_to_float32_where_the_bfloat16_proof_fails(target_dir, monkeypatch):
+    """A CPU that claims bfloat16 kernels (injected) whose proof fails: auto passes over bfloat16, says
+    why, and serves float32."""
+    real = TargetEngine.check_invariance
+
+    def bf16_fails(self, *args, **kwargs):
+        if self.numerics.dtype == "bfloat16":
+            raise NotInvariant("bfloat16 logits inside a batch differ (injected)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetEngine, "check_invariance", bf16_fails)
+    monkeypatch.setattr(TargetEngine, "__init__", _skipping_bf16_kernel_check(TargetEngine.__init__))
+    claims = Hardware(cpu_flags=ZEN4, onednn_bf16=True)
+    monkeypatch.setattr(numerics, "probe_seconds", lambda dtype, shapes: {"bfloat16": 1, "float32": 2}[dtype])
+    engine = TargetEngine.load(target_dir, dtype="auto", hardware=claims)
+    assert engine.numerics.dtype == "float32"
+    assert engine.passed_over and "bfloat16" in engine.passed_over[0] and "injected" in engine.passed_over[0]
+
+
+def test_a_dtype_whose_proof_fails_is_refused_not_served(target_dir, monkeypatch):
+    def fails(self, *args, **kwargs):
+        raise NotInvariant("float32 logits inside a γ + 1 forward differ (injected)")
+
+    monkeypatch.setattr(TargetEngine, "check_invariance", fails)
+    with pytest.raises(NoExactPath, match="--no-bit-exact") as refused:
+        TargetEngine.load(target_dir, dtype="float32")
+    assert "injected" in str(refused.value)
+
+
+def test_the_plain_path_reports_itself_not_exact(target_dir):
+    engine = TargetEngine.load(target_dir, dtype="float32", invariant=False)
+    assert not engine.numerics.exact and engine.numerics.identity.endswith("/plain")
+
+
+def _skipping_bf16_kernel_check(init):
+    """TargetEngine.__init__ where a bfloat16 model skips the kernels (a CPU that lacks them would raise
+    from oneDNN): the test injects the hardware, not the kernels."""
+
+    def wrapped(self, model, info, device, invariant=False, numerics=None):
+        if model.dtype == torch.bfloat16:
+            model.set_attn_implementation("draftwire_rows")
+            self.invariant, self.model, self.info, self.device, self.numerics = (
+                True,
+                model,
+                info,
+                device,
+                numerics,
+            )
+            self.passed_over = ()
+            self._layers = model.config.get_text_config().num_hidden_layers
+            self._caches = {}
+            return
+        init(self, model, info, device, invariant, numerics)
+
+    return wrapped

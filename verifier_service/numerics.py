@@ -1,0 +1,198 @@
+"""Which exact path the verifier runs on this hardware: `--dtype auto` and the numerics identity.
+
+The target's logits are bit-exact against `reference` only when both run the same dtype through the same
+kernels, and only with invariant kernels (verifier_service/invariant.py). Which of those this machine
+has is a question for the hardware, asked at run time, never at build time:
+
+- oneDNN's bfloat16 inner product needs avx512bw + avx512vl + avx512dq, or avx_ne_convert (its own
+  error message says so); without them it raises at the first call. Its float32 one runs on any x86-64
+  (and on ARM through torch's oneDNN build).
+- CUDA has no invariant kernels here: `--no-bit-exact` only.
+
+`plan` (pure, the hardware passed in, so every branch is tested on every machine) turns a requested dtype
+into the dtypes to try, best first, or refuses with one line that names the missing CPU feature and the
+choices. `fastest_first` orders several candidates by a short timing of their kernels. TargetEngine.load
+then proves the first candidate at load (the kernel check of `make_invariant`, then a one-position
+forward against the same positions inside a γ + 1 forward and inside a batch) and falls back to the next
+where the proof fails. The outcome is a `Numerics`: dtype, kernel class, device, exact.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftwire.contract import Numerics
+
+DTYPES = ("auto", "float32", "bfloat16")
+# oneDNN's bfloat16 path needs one of these sets of CPU features (its error: "bf16 path needs the cpu
+# support avx_ne_convert or avx512bw, avx512vl and avx512dq").
+BF16_FEATURES = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+
+
+class NoExactPath(ValueError):
+    """No bit-exact (invariant) path for what was asked on this hardware."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What decides the verifier's numerics on this machine (detected, or injected by a test)."""
+
+    device: str = "cpu"  # torch device type the target runs on
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)  # /proc/cpuinfo's flags (x86) or Features
+    onednn: bool = True  # torch was built with oneDNN (mkldnn)
+    onednn_bf16: bool = False  # oneDNN's bfloat16 kernels run on this CPU
+    machine: str = "x86_64"  # platform.machine()
+
+    @classmethod
+    def detect(cls, device: str | None = None) -> Hardware:
+        import torch
+
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        onednn = torch.backends.mkldnn.is_available()
+        return cls(
+            device=str(torch.device(dev).type),
+            cpu_flags=cpu_flags(),
+            onednn=onednn,
+            onednn_bf16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            machine=platform.machine(),
+        )
+
+    @property
+    def missing_for_bf16(self) -> tuple[str, ...]:
+        """The CPU features of oneDNN's bfloat16 requirements that this CPU lacks (empty: it has them)."""
+        if self.onednn_bf16:
+            return ()
+        return tuple(f for needs in BF16_FEATURES for f in needs if f not in self.cpu_flags)
+
+    def kernel_class(self, exact: bool) -> str:
+        """The kernels that compute the logits, named by what changes their bits: oneDNN's ISA on a CPU
+        in exact mode (it dispatches by ISA, and AMX, AVX-512 and AVX2 kernels reduce differently),
+        torch's own kernels otherwise."""
+        if self.device != "cpu":
+            return f"aten-{self.device}"
+        if not exact:
+            return f"aten-{aten_level(self.cpu_flags, self.machine)}"
+        return f"onednn-{onednn_isa(self.cpu_flags, self.machine)}"
+
+    def numerics(self, dtype: str, exact: bool) -> Numerics:
+        return Numerics(dtype, self.kernel_class(exact), self.device, exact)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (x86 `flags`, ARM `Features`); empty elsewhere."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def onednn_isa(flags: frozenset[str], machine: str = "x86_64") -> str:
+    """The most capable instruction set oneDNN dispatches to on a CPU with these flags."""
+    if machine in ("aarch64", "arm64"):
+        return "sve" if "sve" in flags else "asimd"
+    if {"amx_tile", "amx_bf16"} <= flags:
+        return "avx512_core_amx"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512_core_bf16" if "avx512_bf16" in flags else "avx512_core"
+    if "avx2" in flags:
+        return "avx2_vnni" if "avx_vnni" in flags else "avx2"
+    return "sse41" if "sse4_1" in flags else "x64"
+
+
+def aten_level(flags: frozenset[str], machine: str = "x86_64") -> str:
+    """torch's own CPU dispatch level for these flags (what torch.backends.cpu.get_cpu_capability says)."""
+    if machine in ("aarch64", "arm64"):
+        return "sve" if "sve" in flags else "neon"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "default"
+
+
+def plan(requested: str, hardware: Hardware, exact: bool) -> list[str]:
+    """The dtypes to try for `requested` ("auto", "float32", "bfloat16"), best first.
+
+    Raises NoExactPath, with one line naming what is missing and the choices, where exact mode cannot
+    run what was asked; ValueError for an unknown dtype.
+    """
+    if requested not in DTYPES:
+        raise ValueError(f"unknown dtype {requested!r}: choose one of {', '.join(DTYPES)}")
+    if not exact:
+        if requested != "auto":
+            return [requested]
+        return ["bfloat16"] if hardware.device != "cpu" or hardware.onednn_bf16 else ["float32"]
+    if hardware.device != "cpu" or not hardware.onednn:
+        where = hardware.device if hardware.device != "cpu" else "a torch build without oneDNN"
+        raise NoExactPath(
+            f"no bit-exact (invariant) kernels on {where}: run with --no-bit-exact, which gives up "
+            "output identical to the target alone"
+        )
+    if requested == "float32":
+        return ["float32"]
+    if hardware.onednn_bf16:
+        return ["bfloat16", "float32"] if requested == "auto" else ["bfloat16"]
+    if requested == "bfloat16":
+        raise NoExactPath(bf16_refusal(hardware))
+    return ["float32"]
+
+
+def bf16_refusal(hardware: Hardware) -> str:
+    missing = ", ".join(hardware.missing_for_bf16) or "oneDNN's bfloat16 support"
+    return (
+        "--dtype bfloat16 cannot be bit-exact on this CPU: oneDNN's bfloat16 kernels need avx512bw, "
+        f"avx512vl and avx512dq, or avx_ne_convert, and this CPU lacks {missing}. "
+        "Choose --dtype float32 (or auto), or --no-bit-exact"
+    )
+
+
+def fastest_first(
+    dtypes: Sequence[str],
+    shapes: Sequence[tuple[int, int]],
+    timer: Callable[[str, Sequence], float] | None = None,
+) -> list[str]:
+    """`dtypes` ordered by the time their invariant kernels take on `shapes` (fan_in, fan_out), fastest
+    first; ties keep the given order. `timer(dtype, shapes)` returns seconds (default: a short probe)."""
+    if len(dtypes) < 2:
+        return list(dtypes)
+    timer = timer or probe_seconds
+    seconds = {d: timer(d, shapes) for d in dtypes}
+    return sorted(dtypes, key=lambda d: seconds[d])
+
+
+def probe_seconds(dtype: str, shapes: Sequence[tuple[int, int]], rows: int = 5, repeats: int = 5) -> float:
+    """The median time of `packed_linear` over `shapes` for a round of `rows` positions (γ + 1 = 5)."""
+    import torch
+
+    from verifier_service.invariant import pack_weight, packed_linear
+
+    torch_dtype = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(0)
+    weights = [
+        pack_weight(torch.randn(fan_out, fan_in, generator=generator).to(torch_dtype))
+        for fan_in, fan_out in shapes
+    ]
+    inputs = [torch.randn(rows, fan_in, generator=generator).to(torch_dtype) for fan_in, _ in shapes]
+    times = []
+    for _ in range(repeats + 1):  # the first call warms up
+        start = time.perf_counter()
+        for x, w in zip(inputs, weights, strict=True):
+            packed_linear(x, w)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def probe_shapes(config) -> list[tuple[int, int]]:
+    """The MLP's shapes of a transformers config (the bulk of a forward's time), for `fastest_first`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = text.hidden_size
+    inner = getattr(text, "intermediate_size", None) or 4 * hidden
+    return [(hidden, inner), (inner, hidden)]
