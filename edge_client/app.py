@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import errno
 import json
 import logging
 import os
+import sys
+import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -27,9 +30,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from draftwire import wire
 from draftwire.contract import Drafting
-from edge_client.chat import render_chat, special_piece
+from edge_client import guard as guards
+from edge_client.chat import special_piece
 from edge_client.openai_api import (
     HTTP_STATUS,
+    ApiError,
     BadRequest,
     CompletionRequest,
     ResponseShape,
@@ -45,6 +50,8 @@ from edge_client.openai_api import (
 from edge_client.planner import GenerationStats
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
 from edge_client.store import NotFound, Store
+from edge_client.template import Piece, TemplateRefused, TemplateRenderer
+from edge_client.trust import UntrustedVerifier, check_model_info
 
 log = logging.getLogger(__name__)
 WEB = Path(__file__).parent / "web"
@@ -67,6 +74,12 @@ class EdgeConfig:
     # verifier decodes, alone or with its prompt-lookup drafts.
     drafting: Drafting = Drafting.EDGE
     credentials: wire.ClientCredentials = wire.PLAINTEXT  # TLS, client certificate, token to the verifier
+    guard: guards.Guard = guards.Guard()  # Host, Origin and API key checks (edge_client.guard)
+    max_body: int = 1 << 20  # bytes of a request body
+    max_waiting: int = 8  # generations waiting behind the running one; more get 429
+    model_aliases: tuple[str, ...] = ()  # names a request's `model` may give besides the target's own
+    template_time_s: float = 2.0  # a chat template's render
+    public_without_key: bool = False  # listen on a non-loopback address without an API key (warned)
 
 
 @dataclass
@@ -96,27 +109,48 @@ class Contexts:
 
     drafter: object
     size: int = 32
-    _recent: OrderedDict[tuple[int, ...], str] = field(default_factory=OrderedDict)
+    _recent: OrderedDict[tuple[int, ...], str | None] = field(default_factory=OrderedDict)
 
-    def prompt(self, text: str, hint: list[int] | None = None) -> list[int]:
+    def __post_init__(self):
+        self._lock = threading.Lock()  # prompt() runs in a worker thread
+
+    def prompt(self, pieces: list[Piece], hint: list[int] | None = None) -> list[int]:
+        """The ids of the rendered chat (blocking: run it off the event loop). The template's pieces are
+        tokenized with their special tokens, the messages' contents as text."""
         if hint:
             self.remember(hint)
+        text = "".join(p.text for p in pieces)
         base, base_text = (), ""
-        for ids, seen in self._recent.items():
+        with self._lock:
+            recent = list(self._recent.items())
+        for ids, seen in recent:
+            if seen is None:
+                seen = self.drafter.llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
+                with self._lock:
+                    if ids in self._recent:
+                        self._recent[ids] = seen
             if len(seen) > len(base_text) and text.startswith(seen):
                 base, base_text = ids, seen
-        return [*base, *self._tokenize(text[len(base_text) :])] if base else self._tokenize(text)
+        out, skip = list(base), len(base_text)
+        for piece in pieces:
+            if skip >= len(piece.text):
+                skip -= len(piece.text)
+                continue
+            out += self._tokenize(piece.text[skip:], special=not piece.content)
+            skip = 0
+        return out
 
     def remember(self, ids: list[int]) -> None:
         key = tuple(ids)
-        if key not in self._recent:
-            self._recent[key] = self.drafter.llm.detokenize(ids, special=True).decode("utf-8", "replace")
-        self._recent.move_to_end(key)
-        while len(self._recent) > self.size:
-            self._recent.popitem(last=False)
+        with self._lock:
+            if key not in self._recent:
+                self._recent[key] = None  # its text: detokenized when a prompt needs it, off the loop
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.size:
+                self._recent.popitem(last=False)
 
-    def _tokenize(self, text: str) -> list[int]:
-        return self.drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) if text else []
+    def _tokenize(self, text: str, special: bool) -> list[int]:
+        return self.drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=special) if text else []
 
 
 class EdgeApp:
@@ -131,10 +165,25 @@ class EdgeApp:
         self.channel: grpc.aio.Channel | None = None
         self.session: EdgeSession | None = None
         self.metrics = EdgeMetrics()
+        self.renderer = TemplateRenderer(config.template_time_s)
+        self.waiting = 0  # generations admitted and not finished (one runs, the rest wait for the lock)
+        self._checked_info = None
+        self._health: tuple | None = None  # (when, body, status) of the last check
+        self._health_lock = asyncio.Lock()
+        self._token_bytes: int | None = None  # the longest token's bytes: a text's fewest tokens
+        self._replying: set[str] = set()  # conversations whose reply is being generated
+        self._shown: dict[str, str] = {}  # a stopped reply's text as the page showed it, until stored
 
     def web_app(self) -> web.Application:
-        app = web.Application(client_max_size=4 << 20, middlewares=[errors])
+        guard = self.config.guard
+        app = web.Application(
+            client_max_size=self.config.max_body, middlewares=[errors, guards.middleware(guard)]
+        )
         app[METRICS] = self.metrics
+        app[MAX_BODY] = self.config.max_body
+        app.on_response_prepare.append(
+            lambda request, response: guards.cors_headers(guard, request, response)
+        )
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         app.add_routes(
@@ -151,6 +200,7 @@ class EdgeApp:
                 web.get("/api/conversations/{cid}", self.get_conversation),
                 web.delete("/api/conversations/{cid}", self.delete_conversation),
                 web.post("/api/conversations/{cid}/messages", self.conversation_message),
+                web.post("/api/conversations/{cid}/stop", self.stop_reply),
             ]
         )
         return app
@@ -163,6 +213,105 @@ class EdgeApp:
     async def _stop(self, _app) -> None:
         await self.channel.close()
         self.store.close()
+        self.renderer.close()
+
+    async def connect(self, timeout_s: float = 5.0):
+        """Asks the verifier what it serves and checks the answer; returns its ModelInfo, or None when the
+        verifier cannot be reached yet (checked then at the first request). Raises UntrustedVerifier."""
+        try:
+            return await asyncio.wait_for(self._info(), timeout_s)
+        except (VerifierError, TimeoutError):
+            return None
+        except ApiError as e:
+            raise UntrustedVerifier(str(e)) from None
+
+    def _vocab_size(self) -> int | None:
+        vocabulary = getattr(self.drafter, "vocabulary", None)
+        return vocabulary.size if vocabulary is not None else None
+
+    def _context(self, info) -> int:
+        """The longest sequence (prompt and reply) both the target and the draft can hold."""
+        limit = info.target.max_context
+        if self.config.drafting is Drafting.EDGE and getattr(self.drafter, "n_ctx", None):
+            limit = min(limit, self.drafter.n_ctx)
+        return limit
+
+    def _check_model(self, model: str | None, info) -> None:
+        names = (info.target.target_id, *self.config.model_aliases)
+        if model is not None and model not in names:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist here; this edge serves {info.target.target_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _too_long(self, text_bytes: int, info, param: str) -> None:
+        """Refuses, before tokenizing it, a text that cannot fit the context whatever its tokens (each
+        token is at most the vocabulary's longest): a 1 MiB prompt gets its 400 at once."""
+        if self._token_bytes is None:
+            self._token_bytes = await asyncio.to_thread(_longest_token, self.drafter.llm)
+        limit = self._context(info)
+        if text_bytes > limit * self._token_bytes:
+            raise BadRequest(
+                f"the prompt is at least {text_bytes // self._token_bytes} tokens; the context holds {limit} "
+                "(prompt and reply)",
+                param,
+            )
+
+    def _budget(self, req: CompletionRequest, prompt: list[int], info, param: str) -> CompletionRequest:
+        """Checks prompt + max_tokens against the context before anything is drafted: a prompt that does
+        not fit is refused (400); a reply without a max_tokens of its own gets what the context leaves."""
+        limit = self._context(info)
+        if len(prompt) >= limit:
+            raise BadRequest(
+                f"the prompt is {len(prompt)} tokens; the context holds {limit} (prompt and reply)", param
+            )
+        settings = req.settings
+        if settings.max_tokens + len(prompt) > limit:
+            if req.max_tokens_given:
+                raise BadRequest(
+                    f"max_tokens {settings.max_tokens} and the prompt's {len(prompt)} tokens exceed "
+                    f"the context of {limit}",
+                    "max_tokens",
+                )
+            settings = replace(settings, max_tokens=limit - len(prompt))
+        return replace(req, settings=settings)
+
+    async def _connected(self, within_s: float = 1.5) -> None:
+        """Raises VerifierError(UNAVAILABLE) unless the channel is (or gets, within `within_s`) connected:
+        a request that would commit nothing gets its 503 at once, not after the resume budget, which is
+        for replies already under way."""
+        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        state = self.channel.get_state(try_to_connect=True)
+        while state != ready:
+            left = deadline - loop.time()
+            if state in (failed, grpc.ChannelConnectivity.SHUTDOWN) or left <= 0:
+                raise VerifierError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"cannot connect to the verifier {self.config.server} ({state.name.lower()})",
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), left)
+            state = self.channel.get_state(try_to_connect=True)
+
+    @contextlib.contextmanager
+    def _slot(self):
+        """Admits one generation, or refuses it with 429 when `max_waiting` already wait."""
+        if self.waiting > self.config.max_waiting:
+            raise ApiError(
+                429,
+                f"{self.waiting} replies are running or waiting; try again shortly",
+                code="too_many_requests",
+                headers={"Retry-After": str(min(60, self.waiting))},
+            )
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
 
     # --- pages and small endpoints -------------------------------------------------------------------
 
@@ -170,7 +319,17 @@ class EdgeApp:
         return web.FileResponse(WEB / "index.html")
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the verifier says SERVING, else 503 with the reason."""
+        """200 while the verifier says SERVING, else 503 with the reason. The verifier's answer is kept for
+        a second (and one check runs at a time), so probes under load answer at once."""
+        loop = asyncio.get_running_loop()
+        if self._health is not None and loop.time() - self._health[0] < HEALTH_TTL_S:
+            return _health_response(*self._health[1:])
+        async with self._health_lock:
+            if self._health is None or loop.time() - self._health[0] >= HEALTH_TTL_S:
+                self._health = (loop.time(), *(await self._check_health()))
+        return _health_response(*self._health[1:])
+
+    async def _check_health(self) -> tuple[dict, int]:
         try:
             stub = health_pb2_grpc.HealthStub(self.channel)
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=3)
@@ -183,9 +342,7 @@ class EdgeApp:
         except grpc.aio.AioRpcError as e:
             serving, reason = False, f"verifier {self.config.server} unreachable: {e.code().name}"
         body = {"status": "ok" if serving else "unavailable", "verifier": self.config.server}
-        return web.json_response(
-            body if serving else {**body, "reason": reason}, status=200 if serving else 503
-        )
+        return (body if serving else {**body, "reason": reason}), 200 if serving else 503
 
     async def models(self, request: web.Request) -> web.Response:
         info = await self._info()
@@ -198,6 +355,7 @@ class EdgeApp:
                 "draft": self.draft_name,
                 "verifier": self.config.server,
                 "max_context": info.target.max_context,
+                "aliases": list(self.config.model_aliases),
             },
         }
         return web.json_response({"object": "list", "data": [model]})
@@ -205,13 +363,23 @@ class EdgeApp:
     # --- OpenAI API ----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat(await _json(request), self.config.defaults)
-        prompt = await self._chat_prompt(list(req.messages))
-        return await self._respond(request, req, prompt, chat=True)
+        with self._slot():
+            req = parse_chat(await _json(request), self.config.defaults)
+            info = await self._info()
+            self._check_model(req.model, info)
+            prompt = await self._chat_prompt(list(req.messages))
+            req = self._budget(req, prompt, info, "messages")
+            return await self._respond(request, req, prompt, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion(await _json(request), self.config.defaults)
-        return await self._respond(request, req, self.drafter.tokenize(req.prompt), chat=False)
+        with self._slot():
+            req = parse_completion(await _json(request), self.config.defaults)
+            info = await self._info()
+            self._check_model(req.model, info)
+            await self._too_long(len(req.prompt.encode("utf-8", "replace")), info, "prompt")
+            prompt = await asyncio.to_thread(self.drafter.tokenize, req.prompt)
+            req = self._budget(req, prompt, info, "prompt")
+            return await self._respond(request, req, prompt, chat=False)
 
     # --- conversations -------------------------------------------------------------------------------
 
@@ -235,6 +403,10 @@ class EdgeApp:
         """The next user turn of a stored conversation: `{"content": ..., "settings": {...}, "stream":
         true}`. The message is stored before the reply is generated, the reply once it ends (also when the
         client stops it: what it saw, marked cancelled)."""
+        with self._slot():
+            return await self._conversation_message(request)
+
+    async def _conversation_message(self, request: web.Request) -> web.StreamResponse:
         cid = request.match_info["cid"]
         conversation = self.store.get(cid)
         body = await _json(request)
@@ -242,8 +414,12 @@ class EdgeApp:
         if not isinstance(content, str) or not content.strip():
             raise BadRequest("content must be a non-empty string", "content")
         stored = Settings(**{**conversation["settings"], "stop": tuple(conversation["settings"]["stop"])})
-        settings = parse_settings(body.get("settings") or {}, stored)
+        given = body.get("settings") or {}
+        settings = parse_settings(given, stored)
         stream, include_usage = body.get("stream", True), False
+        if not isinstance(stream, bool):
+            raise BadRequest("stream must be a boolean", "stream")
+        info = await self._info()
         self.store.update(cid, settings=settings.as_json())
         if conversation["title"] == "New chat":
             self.store.update(cid, title=content.strip().splitlines()[0][:60])
@@ -253,33 +429,85 @@ class EdgeApp:
         prompt = await self._chat_prompt(messages, self.store.context_ids(cid))
 
         def done(outcome: Outcome) -> None:
+            self._replying.discard(cid)
+            shown = self._shown.pop(cid, None)
+            if shown is not None and outcome.text.startswith(shown):  # stopped: kept as it was shown
+                outcome.text, outcome.finish_reason = shown, "cancelled"
+                self.store.add_message(cid, "assistant", shown, outcome.figures())
+                self.store.update(cid, context_ids=[])
+                return
             self.store.add_message(cid, "assistant", outcome.text, outcome.figures())
             self.store.update(cid, context_ids=outcome.prompt_ids + outcome.generated)
 
-        req = CompletionRequest(settings, bool(stream), include_usage, messages=tuple(messages))
-        return await self._respond(
-            request, req, prompt, chat=True, on_done=done, extra={"conversation_id": cid}
+        req = CompletionRequest(
+            settings,
+            stream,
+            include_usage,
+            messages=tuple(messages),
+            max_tokens_given=isinstance(given, dict) and _max_tokens_set(given),
         )
+        req = self._budget(req, prompt, info, "content")
+        self._replying.add(cid)
+        self._shown.pop(cid, None)
+        try:
+            return await self._respond(
+                request, req, prompt, chat=True, on_done=done, extra={"conversation_id": cid}
+            )
+        finally:
+            self._replying.discard(cid)
+
+    async def stop_reply(self, request: web.Request) -> web.Response:
+        """The page stopped the reply and says what it showed (`{"shown": text}`): the reply is stored as
+        that, whether it is stored already or not yet (the edge notices the closed stream a little later,
+        and by then has written, and counted, text the page never showed)."""
+        cid = request.match_info["cid"]
+        self.store.get(cid)
+        shown = (await _json(request)).get("shown")
+        if not isinstance(shown, str):
+            raise BadRequest("shown must be a string", "shown")
+        if cid in self._replying:
+            self._shown[cid] = shown
+        else:
+            self.store.cut_last_reply(cid, shown)
+        return web.json_response({"stopped": True})
 
     # --- generation ----------------------------------------------------------------------------------
 
     async def _info(self):
+        """The verifier's ModelInfo, checked (edge_client.trust): one that does not hold up is refused
+        (502, with the reason), and nothing of it is used."""
         try:
-            return await self.session.model_info()
+            info = await self.session.model_info()
         except grpc.aio.AioRpcError as e:
             raise VerifierError(e.code(), e.details() or "") from None
+        if info is not self._checked_info:
+            try:
+                check_model_info(info, self._vocab_size())
+            except UntrustedVerifier as e:
+                self.session._info = None  # asked again next time (the verifier may be replaced)
+                log.error("refusing the verifier %s: %s", self.config.server, e)
+                raise ApiError(
+                    502, f"refusing the verifier {self.config.server}: {e}", code="bad_verifier"
+                ) from None
+            self._checked_info = info
+        return info
 
     async def _chat_prompt(self, messages: list[dict], hint: list[int] | None = None) -> list[int]:
-        target = (await self._info()).target
+        info = await self._info()
+        target = info.target
         if not target.chat_template:
-            return self.drafter.tokenize(messages[-1]["content"])
+            last = messages[-1]["content"]
+            await self._too_long(len(last.encode("utf-8", "replace")), info, "messages")
+            return await asyncio.to_thread(self.drafter.tokenize, last)
         bos = special_piece(self.drafter, target.bos_token_id)
         eos = special_piece(self.drafter, target.eos_token_ids[0] if target.eos_token_ids else None)
         try:
-            text = render_chat(target.chat_template, messages, bos, eos)
-        except Exception as e:  # the template refuses the conversation (roles out of order, say)
-            raise BadRequest(f"the chat template refuses these messages: {e}", "messages") from None
-        return self.contexts.prompt(text, hint)
+            pieces = await self.renderer.render(target.chat_template, messages, bos, eos)
+        except TemplateRefused as e:  # it refuses the conversation (roles out of order), or ran past a limit
+            raise BadRequest(str(e), "messages") from None
+        text = "".join(p.text for p in pieces)
+        await self._too_long(len(text.encode("utf-8", "replace")), await self._info(), "messages")
+        return await asyncio.to_thread(self.contexts.prompt, pieces, hint)
 
     async def _reply(self, prompt: list[int], settings: Settings, outcome: Outcome) -> AsyncIterator[str]:
         """The reply's text as it is verified, cut at a stop string; `outcome` is filled in as it goes
@@ -330,6 +558,7 @@ class EdgeApp:
         a failure mid-reply ends the stream with an error event and no [DONE]; a client that goes away
         cancels the session on the verifier. `on_done` gets the Outcome in every case."""
         shape = ResponseShape(chat, (await self._info()).target.target_id)
+        await self._connected()
         seed = req.settings.sampling().seed
         outcome = Outcome("", "cancelled", prompt, [], GenerationStats(), seed)
         figures = {**(extra or {}), "seed": seed}
@@ -418,6 +647,7 @@ class EdgeMetrics:
 
 
 METRICS = web.AppKey("metrics", EdgeMetrics)
+MAX_BODY = web.AppKey("max_body", int)
 
 
 class _TextStream:
@@ -447,11 +677,29 @@ async def _send(response: web.StreamResponse, payload: dict | None) -> None:
         await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
+HEALTH_TTL_S = 1.0
+
+
+def _health_response(body: dict, status: int) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+def _longest_token(llm) -> int:
+    return max(len(llm.detokenize([i], special=True)) for i in range(llm.n_vocab())) or 1
+
+
+def _max_tokens_set(body: dict) -> bool:
+    return body.get("max_completion_tokens", body.get("max_tokens")) is not None
+
+
 async def _json(request: web.Request) -> dict:
+    raw = await request.read()  # at most client_max_size (413 past it)
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
@@ -471,7 +719,22 @@ async def _answer_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as e:
-        return web.json_response(error_body(str(e), 400, e.param), status=400)
+        return web.json_response(error_body(str(e), 400, e.param, e.code), status=400)
+    except ApiError as e:
+        return web.json_response(
+            error_body(str(e), e.status, e.param, e.code), status=e.status, headers=e.headers
+        )
+    except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 ...; answered as JSON too
+        if e.status < 400:
+            raise
+        message = {
+            404: f"no route {request.method} {request.path}",
+            405: f"{request.method} is not allowed on {request.path}",
+            413: f"the request body is larger than the limit of {request.app[MAX_BODY]} bytes",
+        }.get(e.status, e.reason)
+        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        return web.json_response(error_body(message, e.status, code=code), status=e.status, headers=headers)
     except NotFound as e:
         return web.json_response(
             error_body(f"no conversation {e.args[0]}", 404, code="not_found"), status=404
@@ -482,6 +745,11 @@ async def _answer_errors(request: web.Request, handler) -> web.StreamResponse:
         if status == 503:
             message = f"the verifier is unavailable: {e.details}"
         return web.json_response(error_body(message, status, code=e.code.name.lower()), status=status)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:  # a bug: logged with its traceback, and still an OpenAI-shaped answer
+        log.exception("unexpected failure on %s %s", request.method, request.path)
+        return web.json_response(error_body("internal error (logged by the edge)", 500), status=500)
 
 
 def make_app(config: EdgeConfig, drafter, draft_name: str = "") -> web.Application:
@@ -489,15 +757,50 @@ def make_app(config: EdgeConfig, drafter, draft_name: str = "") -> web.Applicati
 
 
 async def serve(config: EdgeConfig, drafter, host: str, port: int, draft_name: str = "", ready=None) -> None:
-    """Runs the edge server until cancelled; `ready(url)` is called once it listens."""
-    runner = web.AppRunner(make_app(config, drafter, draft_name), handle_signals=False)
+    """Runs the edge server until cancelled; `ready(url, model)` is called once it listens (`model`: the
+    target's name, None while the verifier cannot be reached).
+
+    Raises draftwire.ports.PortInUse when something listens on host:port, guard.UnsafeBind for a
+    non-loopback address without an API key (unless config.public_without_key), and
+    trust.UntrustedVerifier when the verifier's ModelInfo does not hold up."""
+    from draftwire.ports import PortInUse, check_free
+
+    if not guards.is_loopback(host) and config.guard.api_key is None:
+        if not config.public_without_key:
+            raise guards.UnsafeBind(
+                f"refusing to listen on {host} without an API key: any machine that reaches it could read "
+                f"the conversations and use the verifier. Give --api-key-file FILE (or "
+                f"${guards.API_KEY_ENV}), or --public-without-key to do it anyway"
+            )
+        log.warning("listening on %s WITHOUT an API key: anyone who can reach it can use it", host)
+        print(
+            f"draftwire edge: WARNING: listening on {host} without an API key; anyone who reaches this "
+            "address can read the conversations and use the verifier",
+            file=sys.stderr,
+            flush=True,
+        )
+    config = replace(config, guard=replace(config.guard, bound_host=host))
+    check_free(host, port)  # one process per port (no SO_REUSEPORT here either)
+    edge = EdgeApp(config, drafter, draft_name)
+    runner = web.AppRunner(edge.web_app(), handle_signals=False)
     await runner.setup()
+    try:
+        info = await edge.connect()  # a verifier whose ModelInfo does not hold up is refused here
+    except UntrustedVerifier:
+        await runner.cleanup()
+        raise
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse(port) from None
+        raise
     bound = runner.addresses[0][1] if runner.addresses else port
     url = f"http://{host}:{bound}/"
     if ready is not None:
-        ready(url)
+        ready(url, info.target.target_id if info is not None else None)
     try:
         await asyncio.Event().wait()
     finally:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from draftwire.contract import SamplingParams
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from edge_client.template import Piece, TemplateRenderer, output_limit, render_pieces
 
 
 @dataclass(frozen=True)
@@ -26,17 +26,30 @@ class ChatConfig:
 
 def render_chat(template: str, messages: list[dict[str, str]], bos: str, eos: str) -> str:
     """Formats the conversation with the target tokenizer's chat template (Jinja, as transformers
-    renders it), ending with the prompt for the assistant's turn."""
-    # Sandboxed: the template comes from the server, and is code.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    return env.from_string(template).render(
-        messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
-    )
+    renders it), ending with the prompt for the assistant's turn. In this process, sandboxed and under an
+    output limit; `TemplateRenderer` adds the time and memory limits."""
+    return "".join(p.text for p in render_pieces(template, messages, bos, eos, output_limit(messages)))
 
 
-def _raise(message: str):
-    raise jinja2.TemplateError(message)
+_renderer: TemplateRenderer | None = None
+
+
+def renderer() -> TemplateRenderer:
+    """The process's template renderer (its worker starts at the first render)."""
+    global _renderer
+    if _renderer is None:
+        _renderer = TemplateRenderer()
+    return _renderer
+
+
+def tokenize_pieces(drafter, pieces: list[Piece]) -> list[int]:
+    """The template's pieces with their special tokens, the messages' contents as plain text: a user who
+    types `<|im_end|>` gets those characters, not the control token."""
+    ids: list[int] = []
+    for piece in pieces:
+        if piece.text:
+            ids += drafter.llm.tokenize(piece.text.encode("utf-8"), add_bos=False, special=not piece.content)
+    return ids
 
 
 async def reply(
@@ -45,7 +58,7 @@ async def reply(
     """Streams one assistant reply to `out`; returns its text and figures."""
     info = await session.model_info()
     drafter = session.drafter
-    prompt = chat_prompt(info, drafter, messages)
+    prompt = await chat_prompt_async(info, drafter, messages)
     request = GenerationRequest(
         tuple(prompt),
         config.sampling,
@@ -70,14 +83,18 @@ async def reply(
 
 def chat_prompt(info, drafter, messages: list[dict[str, str]]) -> list[int]:
     """The prompt ids of the conversation: the target's chat template when it has one (carried by
-    ModelInfo), else the last message as a plain completion prompt."""
+    ModelInfo), else the last message as a plain completion prompt. Raises TemplateRefused."""
+    return asyncio.run(chat_prompt_async(info, drafter, messages))
+
+
+async def chat_prompt_async(info, drafter, messages: list[dict[str, str]]) -> list[int]:
     target = info.target
     if not target.chat_template:
         return drafter.tokenize(messages[-1]["content"])
     bos = special_piece(drafter, target.bos_token_id)
     eos = special_piece(drafter, target.eos_token_ids[0] if target.eos_token_ids else None)
-    text = render_chat(target.chat_template, messages, bos, eos)
-    return drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    pieces = await renderer().render(target.chat_template, messages, bos, eos)
+    return tokenize_pieces(drafter, pieces)
 
 
 def summary(stats: GenerationStats) -> str:
@@ -95,28 +112,79 @@ async def chat(
     read_line: Callable[[str], str] = input,
     once: str | None = None,
 ) -> None:
-    """The chat loop; `once` answers that one message and returns. Ends on EOF or an empty line."""
+    """The chat loop; `once` answers that one message and returns. Ends on EOF, an empty line or Ctrl-C at
+    the prompt; Ctrl-C during a reply stops the reply (what was shown is kept in the conversation) and
+    returns to the prompt, as llama-cli and ollama do."""
     info = await session.model_info()
     mode = "chat template" if info.target.chat_template else "plain completion"
-    out.write(f"draftwire chat with {info.target.target_id} ({mode}); an empty line or Ctrl-D ends.\n")
+    out.write(
+        f"draftwire chat with {info.target.target_id} ({mode}); an empty line, Ctrl-D or Ctrl-C ends, "
+        "Ctrl-C during a reply stops it.\n"
+    )
+    loop = asyncio.get_running_loop()
     messages: list[dict[str, str]] = []
     while True:
         if once is not None:
             line = once
         else:
             try:
-                line = await asyncio.to_thread(read_line, "you> ")
-            except EOFError:
+                out.flush()
+                line = read_line("you> ")  # on this thread, so that Ctrl-C here raises KeyboardInterrupt
+            except (EOFError, KeyboardInterrupt):
+                out.write("\n")
                 break
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
         out.write("draftwire> ")
-        text, stats = await reply(session, messages, config, out)
-        messages.append({"role": "assistant", "content": text})
-        out.write(summary(stats) + "\n")
+        shown = _Shown(out)
+        task = asyncio.ensure_future(reply(session, messages, config, shown))
+        with _interrupts(loop, task):
+            try:
+                text, stats = await task
+            except asyncio.CancelledError:
+                if not task.cancelled():  # the chat itself is being cancelled
+                    raise
+                text, stats = None, None
+        if stats is None:  # stopped: the conversation keeps what was shown
+            out.write("\n[stopped]\n")
+            messages.append({"role": "assistant", "content": shown.text()})
+        else:
+            messages.append({"role": "assistant", "content": text})
+            out.write(summary(stats) + "\n")
         if once is not None:
             break
+
+
+class _Shown:
+    """`out`, keeping what was written to it."""
+
+    def __init__(self, out: TextIO):
+        self.out, self.parts = out, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@contextlib.contextmanager
+def _interrupts(loop: asyncio.AbstractEventLoop, task: asyncio.Future):
+    """Ctrl-C cancels `task` (the reply) instead of the whole chat, where the loop can take signals."""
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def special_piece(drafter, token_id: int | None) -> str:

@@ -20,14 +20,27 @@ from draftwire.contract import InvalidSampling, SamplingParams
 from edge_client.planner import GenerationStats
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
+MAX_UINT32 = 2**32 - 1  # top_k and max_tokens travel as uint32
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+
+
+class ApiError(Exception):
+    """A request the API refuses with `status` and an OpenAI error (`param`, `code`)."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers=None
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
 
 
 class BadRequest(ValueError):
     """A request the API refuses with 400; `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage
     messages: tuple[dict[str, str], ...] = ()  # chat
     prompt: str | None = None  # completions
+    model: str | None = None  # the `model` the request names (None: none named)
+    max_tokens_given: bool = True  # False: the default, cut to what the context leaves
 
 
 def parse_settings(body: dict[str, Any], defaults: Settings) -> Settings:
@@ -73,7 +88,8 @@ def parse_settings(body: dict[str, Any], defaults: Settings) -> Settings:
     s = defaults
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
-        s = replace(s, max_tokens=_int(max_tokens, "max_tokens", minimum=1))
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        s = replace(s, max_tokens=_int(max_tokens, name, minimum=1, maximum=MAX_UINT32))
     if body.get("temperature") is not None:
         temperature = _number(body["temperature"], "temperature")
         if not 0 <= temperature <= 2:
@@ -82,9 +98,9 @@ def parse_settings(body: dict[str, Any], defaults: Settings) -> Settings:
     if body.get("top_p") is not None:
         s = replace(s, top_p=_number(body["top_p"], "top_p"))
     if body.get("top_k") is not None:
-        s = replace(s, top_k=_int(body["top_k"], "top_k", minimum=0))
+        s = replace(s, top_k=_int(body["top_k"], "top_k", minimum=0, maximum=MAX_UINT32))
     if body.get("seed") is not None:
-        s = replace(s, seed=_int(body["seed"], "seed", minimum=0))
+        s = replace(s, seed=_int(body["seed"], "seed", minimum=0, maximum=2**64 - 1))
     if body.get("stop") is not None:
         s = replace(s, stop=_stop(body["stop"]))
     if body.get("n") not in (None, 1):
@@ -102,7 +118,13 @@ def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
-    return CompletionRequest(settings, *_stream_fields(body), messages=tuple(map(_message, messages)))
+    return CompletionRequest(
+        settings,
+        *_stream_fields(body),
+        messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+        model=_model(body),
+        max_tokens_given=_max_tokens_given(body),
+    )
 
 
 def parse_completion(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
@@ -113,7 +135,24 @@ def parse_completion(body: dict[str, Any], defaults: Settings) -> CompletionRequ
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string", "prompt")
-    return CompletionRequest(settings, *_stream_fields(body), prompt=prompt)
+    return CompletionRequest(
+        settings,
+        *_stream_fields(body),
+        prompt=prompt,
+        model=_model(body),
+        max_tokens_given=_max_tokens_given(body),
+    )
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string", "model")
+    return model
+
+
+def _max_tokens_given(body: dict) -> bool:
+    return body.get("max_completion_tokens", body.get("max_tokens")) is not None
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:
@@ -126,19 +165,24 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
-def _message(m: Any) -> dict[str, str]:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise BadRequest("each message needs a role and a content", "messages")
+def _message(m: Any, i: int = 0) -> dict[str, str]:
+    where = f"messages.[{i}]"
+    if not isinstance(m, dict):
+        raise BadRequest(f"{where} must be an object with a role and a content", where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
     content = m.get("content")
     if isinstance(content, list):  # content parts: the text ones, joined
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise BadRequest("only text content parts are supported", "messages")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if content is None:
-        content = ""
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise BadRequest("only text content parts are supported", f"{where}.content")
+        content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise BadRequest("message content must be a string or text parts", "messages")
-    return {"role": m["role"], "content": content}
+        raise BadRequest(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _number(value: Any, name: str) -> float:
@@ -147,9 +191,9 @@ def _number(value: Any, name: str) -> float:
     return float(value)
 
 
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise BadRequest(f"{name} must be an integer >= {minimum}", name)
+def _int(value: Any, name: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise BadRequest(f"{name} must be an integer in [{minimum}, {maximum}]", name)
     return value
 
 

@@ -117,6 +117,27 @@ class Store:
                 value = value if column == "title" else json.dumps(value)
                 self.db.execute(f"UPDATE conversations SET {column} = ? WHERE id = ?", (value, cid))
 
+    def cut_last_reply(self, cid: str, shown: str) -> bool:
+        """A stopped reply kept as the user saw it: the last message, a reply that begins with `shown`, is
+        cut to it and marked stopped, and the last turn's token ids are dropped (the next turn tokenizes the
+        conversation's text). Returns whether it was cut. Raises NotFound."""
+        self._touch(cid)
+        row = self.db.execute(
+            "SELECT id, role, content, figures FROM messages WHERE conversation_id = ?"
+            " ORDER BY id DESC LIMIT 1",
+            (cid,),
+        ).fetchone()
+        if row is None or row["role"] != "assistant" or not row["content"].startswith(shown):
+            return False
+        figures = json.loads(row["figures"]) if row["figures"] else {}
+        figures["finish_reason"] = "cancelled"
+        self.db.execute(
+            "UPDATE messages SET content = ?, figures = ? WHERE id = ?",
+            (shown, json.dumps(figures), row["id"]),
+        )
+        self.db.execute("UPDATE conversations SET context_ids = '[]' WHERE id = ?", (cid,))
+        return True
+
     def delete(self, cid: str) -> None:
         """Deletes a conversation and its messages. Raises NotFound."""
         if self.db.execute("DELETE FROM conversations WHERE id = ?", (cid,)).rowcount == 0:

@@ -4,10 +4,13 @@ verified reply stream in with its figures, stop a reply, reload and find the con
 Set DRAFTWIRE_SCREENSHOT=FILE to keep a screenshot of the page (docs/edge-app.png was taken so).
 """
 
+import http.server
 import json
 import os
 import shutil
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -77,7 +80,8 @@ def test_the_stop_button_ends_a_reply_and_a_new_chat_starts_empty(page):
     expect(reply.locator(".text")).not_to_have_text("", timeout=60_000)
     page.click("#stop")
     expect(page.locator("#send")).to_be_visible()
-    assert len(reply.locator(".text").inner_text()) < 900 * 2  # stopped well before its budget
+    shown = reply.locator(".text").inner_text()
+    assert len(shown) < 900 * 2  # stopped well before its budget
     expect(reply.locator(".figures")).to_have_text("stopped")
     expect(page.locator("#conversations li")).to_have_count(2)
     # What was shown is kept, marked stopped, and the app answers the next message.
@@ -91,12 +95,90 @@ def test_the_stop_button_ends_a_reply_and_a_new_chat_starts_empty(page):
             break
         time.sleep(0.2)
     expect(figures.last).to_contain_text("stopped")
+    # Stored exactly as it was shown (the page reads the store: SQLite), not the text the edge sent on.
+    assert page.locator(".msg.assistant .text").last.inner_text() == shown
     page.fill("#max-tokens", "8")
     page.fill("#input", "Shorter, please.")
     page.click("#send")
     expect(page.locator(".msg.assistant").last.locator(".figures")).to_contain_text(
         "acceptance", timeout=60_000
     )
+
+
+EVIL_PAGE = b"""<!doctype html><title>elsewhere</title><script>
+async function attack(edge) {
+  const out = {};
+  const body = JSON.stringify({ title: "evil", prompt: "hi", max_tokens: 40,
+                                messages: [{ role: "user", content: "hi" }] });
+  // "Simple" requests: no preflight, the browser sends them and hides the answer.
+  for (const path of ["api/conversations", "v1/completions", "v1/chat/completions"]) {
+    try {
+      await fetch(edge + path,
+        { method: "POST", mode: "no-cors", headers: { "Content-Type": "text/plain" }, body });
+      out[path] = "sent";
+    } catch (e) { out[path] = "failed"; }
+  }
+  // A JSON request needs a preflight, which the edge does not grant to this origin.
+  try {
+    const r = await fetch(edge + "api/conversations", { method: "POST",
+      headers: { "Content-Type": "application/json" }, body });
+    out.json = r.status;
+  } catch (e) { out.json = "blocked"; }
+  // Reading the conversations: CORS gives this origin nothing.
+  try { out.read = await (await fetch(edge + "api/conversations")).text(); }
+  catch (e) { out.read = "blocked"; }
+  return out;
+}
+</script>"""
+
+
+class _Evil(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.end_headers()
+        self.wfile.write(EVIL_PAGE)
+
+    def log_message(self, *args):
+        pass
+
+
+def _count(edge: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(edge + "metrics", timeout=30).read().decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "draftwire:edge_errors_total" and s.labels.get("status") == name
+    )
+
+
+def test_a_page_from_another_origin_cannot_drive_or_read_the_edge(page):
+    edge = page.evaluate("location.origin") + "/"
+    conversations = lambda: json.loads(urllib.request.urlopen(edge + "api/conversations").read())  # noqa: E731
+    before, refused = conversations()["conversations"], _count(edge, "403")
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Evil)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    other = page.context.browser.new_page()
+    try:
+        other.goto(f"http://127.0.0.1:{evil.server_address[1]}/")
+        out = other.evaluate("(edge) => attack(edge)", edge)
+    finally:
+        other.close()
+        evil.shutdown()
+    assert out["read"] == "blocked" and out["json"] == "blocked", out
+    assert conversations()["conversations"] == before  # nothing created, nothing generated
+    assert _count(edge, "403") >= refused + 3  # the three simple requests, refused by their Origin
+
+    # DNS rebinding: a name that resolves to this machine, but the Host is the attacker's name.
+    request = urllib.request.Request(edge + "api/conversations", headers={"Host": "rebind.example:80"})
+    try:
+        urllib.request.urlopen(request, timeout=30)
+        raise AssertionError("a forged Host was served")
+    except urllib.error.HTTPError as e:
+        assert e.code == 403 and json.loads(e.read())["error"]["code"] == "host_not_allowed"
 
 
 def test_demo_web_starts_a_verifier_and_the_edge_app(tmp_path):

@@ -5,8 +5,28 @@ const $ = (id) => document.getElementById(id);
 let current = null;      // the open conversation's id
 let controller = null;   // aborts the reply in flight (the Stop button)
 
+// With `draftwire edge --api-key-file`, every API request needs the key: asked for once, kept for this tab.
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = sessionStorage.getItem("draftwire-api-key");
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+async function authorized(path, options) {
+  let response = await fetch(path, { ...options, headers: headers() });
+  if (response.status === 401) {
+    const key = window.prompt("This edge needs its API key:");
+    if (key) {
+      sessionStorage.setItem("draftwire-api-key", key.trim());
+      response = await fetch(path, { ...options, headers: headers() });
+    }
+  }
+  return response;
+}
+
 async function api(path, options = {}) {
-  const response = await fetch(path, { headers: { "Content-Type": "application/json" }, ...options });
+  const response = await authorized(path, options);
   if (!response.ok) {
     let message = response.statusText;
     try { message = (await response.json()).error.message; } catch (e) { /* not JSON */ }
@@ -101,11 +121,11 @@ async function send(text) {
   const reply = addMessage("assistant", "");
   const out = reply.querySelector(".text");
   controller = new AbortController();
+  stopping = null;
   $("send").hidden = true; $("stop").hidden = false;
   try {
-    const response = await fetch(`/api/conversations/${current}/messages`, {
+    const response = await authorized(`/api/conversations/${current}/messages`, {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ content: text, stream: true, settings: settings() }),
       signal: controller.signal,
     });
@@ -128,6 +148,7 @@ async function send(text) {
         const chunk = JSON.parse(event);
         if (chunk.error) throw new Error(chunk.error.message);
         const choice = chunk.choices && chunk.choices[0];
+        if (stopping !== null) break;
         if (choice && choice.delta && choice.delta.content) {
           out.textContent += choice.delta.content;
           $("messages").scrollTop = $("messages").scrollHeight;
@@ -139,6 +160,7 @@ async function send(text) {
     if (e.name === "AbortError") {
       reply.querySelector(".figures").textContent = "stopped";
     } else {
+      if (!out.textContent) reply.remove();  // nothing was committed: no empty bubble, the error instead
       showError(e.message);
     }
   } finally {
@@ -158,7 +180,18 @@ $("composer").onsubmit = (event) => {
 $("input").onkeydown = (event) => {
   if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("composer").requestSubmit(); }
 };
-$("stop").onclick = () => controller && controller.abort();
+// Stop: the text shown now is what is kept. The page stops showing more, tells the edge what it showed
+// (the edge has sent, and counted, a little more before it notices the closed stream), then closes it.
+let stopping = null;   // the reply's text when Stop was pressed
+$("stop").onclick = () => {
+  if (!controller) return;
+  const out = document.querySelector(".msg.assistant:last-child .text");
+  stopping = out ? out.textContent : "";
+  const id = current;
+  controller.abort();
+  api(`/api/conversations/${id}/stop`, { method: "POST", body: JSON.stringify({ shown: stopping }) })
+    .catch(() => {});
+};
 $("new-chat").onclick = () => newConversation();
 
 (async function start() {

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from llama_cpp import Llama
 from openai import OpenAI
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from edge_client.llama_runtime import Llama
 from tools.testkit.serverproc import EdgeProcess, ServerProcess
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
@@ -153,8 +153,8 @@ def test_stop_strings_cut_as_openai_does(client):
             "at most",
         ),
         ({"messages": []}, "messages", "non-empty"),
-        # Refused by the verifier (INVALID_ARGUMENT), its message passed on.
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}, None, "context"),
+        # Prompt plus max_tokens over the context: refused by the edge before anything is drafted.
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}, "max_tokens", "context"),
     ],
 )
 def test_bad_parameters_get_400_with_an_openai_error(edge, body, param, words):
@@ -195,7 +195,9 @@ def _verifier_stats(address: str) -> pb.ServerStats:
 def test_a_client_that_disconnects_mid_stream_cancels_the_verifier_session(edge, verifier):
     before = _verifier_stats(verifier.address)
     body = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
-    request = urllib.request.Request(edge.url + "v1/completions", json.dumps(body).encode())
+    request = urllib.request.Request(
+        edge.url + "v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     response = urllib.request.urlopen(request, timeout=60)
     assert response.readline().startswith(b"data: ")  # the reply has started
     response.close()
