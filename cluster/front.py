@@ -35,6 +35,7 @@ from verifier_service.servicer import (
     ServerConfig,
     add_health_and_reflection,
     bind_and_start,
+    cache_owner,
     make_server,
     start_metrics,
 )
@@ -116,7 +117,9 @@ class Front:
             def snapshot() -> pb.ServerStats:  # on the metrics server's thread
                 return asyncio.run_coroutine_threadsafe(self._stats(pb.StatsRequest(), None), loop).result(15)
 
-            self.metrics_port = start_metrics(snapshot, self.config.metrics_host, self.config.metrics_port)
+            self.metrics_port = start_metrics(
+                snapshot, self.config.metrics_host, self.config.metrics_port, self.config.metrics_token_file
+            )
         self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
         return port
 
@@ -149,7 +152,10 @@ class Front:
                     await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             tried.add(slot.name)
-            metadata = self.pool.hop_metadata(auth.caller())
+            # An anonymous edge is known by its connection to the front, so that the replica keeps
+            # its caches for it alone (not for every anonymous edge the front speaks for).
+            client = auth.caller()
+            metadata = self.pool.hop_metadata(auth.Identity(cache_owner(client, context), client.admin))
             call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
             up = None
             try:

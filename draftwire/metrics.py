@@ -4,15 +4,23 @@ source of counts for GetStats, `draftwire top` and the metrics.
 The speculative-decoding counters carry vLLM's names under the `draftwire:` prefix, so dashboards made
 for vLLM's spec-decode panels map over: `draftwire:spec_decode_num_drafts_total`,
 `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total`
-(label `position`). Served by prometheus_client's HTTP server (`serve --metrics-port`).
+(label `position`). Served over plain HTTP by `serve` below (`serve --metrics-port`): loopback unless
+`--metrics-host` names an address, optionally behind a bearer token (`--metrics-token-file`). Every name,
+with its meaning: docs/metrics.md.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS
 from draftwire.v1 import draftwire_pb2 as pb
@@ -94,11 +102,92 @@ def _histogram(name: str, doc: str, bounds, counts, total: float) -> HistogramMe
     return HistogramMetricFamily(P + name, doc, buckets=cumulative, sum_value=total)
 
 
-class StatsCollector(Collector):
-    """A prometheus_client collector over a function that returns the current ServerStats."""
+def auth_families(token_file_ok: bool | None, token_file_failures: int, revoked_sessions: int) -> Iterator:
+    """Authentication's metric families: the token file's state (none when there is no token file), the
+    re-reads that found it broken, and the sessions ended because their credentials were revoked."""
+    if token_file_ok is not None:
+        yield GaugeMetricFamily(
+            P + "auth_token_file_ok",
+            "1 while the token file parses; 0 while it is missing or does not parse (every client refused).",
+            value=int(token_file_ok),
+        )
+        yield CounterMetricFamily(
+            P + "auth_token_file_failures",
+            "Re-reads of the token file that found it missing or unparsable.",
+            value=token_file_failures,
+        )
+    yield CounterMetricFamily(
+        P + "auth_revoked_sessions",
+        "Open sessions ended because their token or certificate name was revoked (or the token file broke).",
+        value=revoked_sessions,
+    )
 
-    def __init__(self, snapshot: Callable[[], pb.ServerStats]):
-        self.snapshot = snapshot
+
+class StatsCollector(Collector):
+    """A prometheus_client collector over a function that returns the current ServerStats, and one that
+    returns more metric families (`extra`, when given)."""
+
+    def __init__(self, snapshot: Callable[[], pb.ServerStats], extra: Callable[[], Iterator] | None = None):
+        self.snapshot, self.extra = snapshot, extra
 
     def collect(self) -> Iterator:
         yield from families(self.snapshot())
+        if self.extra is not None:
+            yield from self.extra()
+
+
+log = logging.getLogger(__name__)
+
+EMPTY_HOST = (
+    'an empty --metrics-host would listen on every interface: say "0.0.0.0" (or "::") if that is meant, '
+    "and give the metrics a token (--metrics-token-file)"
+)
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in `path` (its first line). Raises OSError when unreadable, ValueError when empty."""
+    token = path.read_text().strip()
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"{path}: a metrics token file holds one token on one line")
+    return token
+
+
+def serve(registry: CollectorRegistry, host: str, port: int, token_file: Path | None = None) -> int:
+    """Serves `registry` in Prometheus' text format over HTTP at host:port (any path; 0 picks a free
+    port) on a daemon thread; returns the bound port. With `token_file`, a scrape without
+    `Authorization: Bearer T` (T the file's token, re-read at each scrape) gets 401, and 503 while the
+    file cannot be read. Raises OSError when it cannot bind."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if token_file is not None:
+                try:
+                    token = read_token(token_file)
+                except (OSError, ValueError) as e:
+                    log.error("metrics token file %s cannot be read: %s; scrapes refused", token_file, e)
+                    return self._reply(503, b"the metrics token file cannot be read\n")
+                sent = self.headers.get("Authorization", "")
+                if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                    return self._reply(401, b"send Authorization: Bearer <the metrics token>\n", bearer=True)
+            self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def _reply(self, code: int, body: bytes, content_type="text/plain; charset=utf-8", bearer=False):
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            if bearer:
+                self.send_header("WWW-Authenticate", 'Bearer realm="draftwire metrics"')
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # no line per scrape on stderr
+            pass
+
+    server_class = type("MetricsServer", (ThreadingHTTPServer,), {"daemon_threads": True})
+    if ":" in host:
+        import socket
+
+        server_class.address_family = socket.AF_INET6
+    httpd = server_class((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    return httpd.server_address[1]

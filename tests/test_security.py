@@ -22,7 +22,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
 from tools.testkit.certs import make_certs
 from tools.testkit.serverproc import DRAFTWIRE, EdgeProcess, ServerProcess
-from verifier_service.auth import AuthConfig, BadTokenFile, TlsConfig, parse_tokens
+from verifier_service.auth import AuthConfig, BadTokenFile, TlsConfig, parse_tokens, read_clients
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
@@ -121,6 +121,9 @@ def test_token_files_parse_and_refuse_bad_lines():
     for bad in ("alice", "alice t extra", "a t\nb t"):
         with pytest.raises(BadTokenFile):
             parse_tokens(bad)
+    listed = read_clients("carol -  # her certificate only\nops - admin\nalice t\n")
+    assert sorted(listed.names) == ["alice", "carol", "ops"] and listed.names["ops"].admin
+    assert [i.name for i in listed.tokens.values()] == ["alice"]
     with pytest.raises(ValueError):  # a token never leaves in clear text
         wire.ClientCredentials(token="t")
 
@@ -254,7 +257,11 @@ def test_the_token_file_is_reread_without_a_restart(certs, tmp_path, reference):
             refusal(generate, server.address, creds(certs, "first-token")) == grpc.StatusCode.UNAUTHENTICATED
         )
         assert generate(server.address, creds(certs, "the-second-token"))[0] == reference(PROMPT)
-        path.write_text("carol\n")  # a broken file: the last good tokens stay
+        path.write_text("carol\n")  # a broken file fails closed: nobody is admitted until it is fixed
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            call(server.address, creds(certs, "the-second-token"), "GetModelInfo", pb.ModelInfoRequest())
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "token file" in e.value.details()
+        path.write_text("carol the-second-token\n")
         assert generate(server.address, creds(certs, "the-second-token"))[0] == reference(PROMPT)
 
 

@@ -352,7 +352,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-host",
         default="127.0.0.1",
-        help="where the metrics listen: plain HTTP, no authentication, so loopback unless you say otherwise",
+        help="where the metrics listen (plain HTTP): loopback unless you name an address; every interface "
+        "only when spelled out (0.0.0.0 or ::), never by an empty value",
+    )
+    p.add_argument(
+        "--metrics-token-file",
+        type=Path,
+        default=None,
+        help="a file holding one token: every scrape must send `Authorization: Bearer TOKEN` (re-read at "
+        "each scrape; default: no token)",
     )
     _add_target_numerics(p)
     _add_limits(p)
@@ -363,7 +371,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--auth-tokens",
         type=Path,
-        help="clients' tokens, `client-name token [admin]` a line; re-read when the file changes",
+        help="clients' tokens, `client-name token [admin]` a line (token `-`: a client named by its "
+        "certificate only); every client, certificates' too, must be listed; re-read when the file changes "
+        "(revoked sessions end within 2 s; a broken or missing file refuses everyone until fixed)",
     )
     ray_group = p.add_argument_group("Ray verifier pool (docs/cluster.md)")
     ray_group.add_argument("--ray", action="store_true", help="a pool of replicas on Ray behind one front")
@@ -671,8 +681,10 @@ def _serve(args) -> int:
     tls, auth = _server_security(args)
     # A busy port is said before torch and the target load (the server checks again when it binds).
     check_free(args.host, args.port)
+    if args.metrics_port is not None:
+        _check_metrics_flags(args)
     if args.metrics_port:
-        check_free(args.metrics_host or "0.0.0.0", args.metrics_port)
+        check_free(args.metrics_host, args.metrics_port)
 
     from verifier_service.batcher import BatchConfig
     from verifier_service.engine import PrefixCacheConfig
@@ -693,6 +705,7 @@ def _serve(args) -> int:
         ),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        metrics_token_file=args.metrics_token_file,
         prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
         tls=tls,
         auth=auth,
@@ -711,6 +724,21 @@ def _serve(args) -> int:
         return 2
     asyncio.run(_serve_until_signal(engine, config))
     return 0
+
+
+def _check_metrics_flags(args) -> None:
+    """Raises UserError for an empty --metrics-host or an unreadable --metrics-token-file."""
+    from draftwire import metrics
+
+    if not args.metrics_host:
+        raise UserError(metrics.EMPTY_HOST)
+    if args.metrics_token_file is not None:
+        try:
+            metrics.read_token(args.metrics_token_file)
+        except OSError as e:
+            raise UserError(f"--metrics-token-file {args.metrics_token_file}: {_reason(e)}") from None
+        except ValueError as e:
+            raise UserError(f"--metrics-token-file {e}") from None
 
 
 def _load_target(args):

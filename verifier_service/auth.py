@@ -15,6 +15,7 @@ import hmac
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,48 +78,101 @@ class BadTokenFile(ValueError):
     """A token file that cannot be read as `client-name token [admin]` lines."""
 
 
-def parse_tokens(text: str) -> dict[str, Identity]:
-    """sha256(token) -> identity, from the lines of a token file ('#' starts a comment).
+NO_TOKEN = "-"  # in a token file's token column: the client is admitted by its certificate only
+
+
+@dataclass(frozen=True)
+class Clients:
+    """What a token file admits: clients by token, and every listed name (the names a client
+    certificate's CN may carry under mTLS)."""
+
+    tokens: dict[str, Identity]  # sha256(token) -> identity
+    names: dict[str, Identity]  # every listed client, admin if one of its lines says so
+
+
+def read_clients(text: str) -> Clients:
+    """The clients of a token file: `client-name token [admin]` lines ('#' starts a comment), where a
+    token of `-` lists a client that only its certificate names (mTLS).
 
     Raises BadTokenFile naming the first bad line, or a token given twice."""
-    table: dict[str, Identity] = {}
+    tokens: dict[str, Identity] = {}
+    names: dict[str, Identity] = {}
     for n, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
         if len(fields) not in (2, 3) or (len(fields) == 3 and fields[2] != "admin"):
             raise BadTokenFile(f"line {n}: expected `client-name token [admin]`")
+        identity = Identity(fields[0], admin=len(fields) == 3)
+        names[identity.name] = Identity(
+            identity.name, identity.admin or names.get(identity.name, identity).admin
+        )
+        if fields[1] == NO_TOKEN:
+            continue
         digest = _digest(fields[1])
-        if digest in table:
-            raise BadTokenFile(f"line {n}: this token is already given to {table[digest].name!r}")
-        table[digest] = Identity(fields[0], admin=len(fields) == 3)
-    return table
+        if digest in tokens:
+            raise BadTokenFile(f"line {n}: this token is already given to {tokens[digest].name!r}")
+        tokens[digest] = identity
+    return Clients(tokens, names)
+
+
+def parse_tokens(text: str) -> dict[str, Identity]:
+    """sha256(token) -> identity, from the lines of a token file (read_clients).
+
+    Raises BadTokenFile naming the first bad line, or a token given twice."""
+    return read_clients(text).tokens
 
 
 class TokenTable:
-    """A token file, re-read on the first lookup after it changes (no restart needed); a change that
-    does not parse is logged and the previous table kept."""
+    """A token file, re-read on the first lookup after it changes (no restart needed).
+
+    Fails closed: while the file does not parse or is missing, nobody is admitted (`error` says why,
+    `failures` counts the re-reads that failed) and open sessions end at their next check; once the
+    file is fixed, admission resumes."""
 
     def __init__(self, path: Path):
         """Raises OSError or BadTokenFile when the file cannot be read at start."""
         self.path = path
         self._stamp = self._stat()
-        self._table = parse_tokens(path.read_text())
+        self._clients = read_clients(path.read_text())
+        self.error: str | None = None  # why nobody is admitted now (None: the file is good)
+        self.failures = 0  # re-reads that found the file missing or unparsable
+
+    def refresh(self) -> None:
+        """Re-reads the file if it changed since the last read (its mtime, size or inode)."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            clients = read_clients(self.path.read_text())
+        except (OSError, BadTokenFile) as e:
+            self._clients = Clients({}, {})
+            self.failures += 1
+            self.error = (
+                f"the verifier's token file cannot be read ({e}): it admits nobody until the file is fixed"
+            )
+            log.error("token file %s: %s; every client is refused until it is fixed", self.path, e)
+            return
+        if self.error is not None:
+            log.warning("token file %s fixed: admitting clients again", self.path)
+        self._clients, self.error = clients, None
+        log.info("token file %s re-read: %d clients", self.path, len(clients.names))
 
     def lookup(self, token: str) -> Identity | None:
-        stamp = self._stat()
-        if stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                self._table = parse_tokens(self.path.read_text())
-                log.info("token file %s re-read: %d clients", self.path, len(self._table))
-            except (OSError, BadTokenFile) as e:
-                log.error("token file %s not re-read, keeping the previous tokens: %s", self.path, e)
-        return self._table.get(_digest(token))
+        """The client holding `token` (None: no client, or the file is broken)."""
+        self.refresh()
+        return self._clients.tokens.get(_digest(token))
 
-    def named(self, name: str) -> Identity:
-        """A client known by name only (its certificate): admin if the file says so."""
-        return next((i for i in self._table.values() if i.name == name), Identity(name))
+    def holds(self, digest: str, name: str) -> bool:
+        """Whether the token with this digest still names client `name` (no refresh)."""
+        identity = self._clients.tokens.get(digest)
+        return identity is not None and identity.name == name
+
+    def listed(self, name: str) -> Identity | None:
+        """A client known by name (its certificate), as the file lists it (None: not listed)."""
+        self.refresh()
+        return self._clients.names.get(name)
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
@@ -132,8 +186,33 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a caller is not, or no longer, admitted: the status it gets and what it says."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+REVOKED = "the credentials this session was admitted with were revoked (no longer in the token file)"
+
+Recheck = Callable[[], Refusal | None]
+_RECHECK: contextvars.ContextVar[Recheck | None] = contextvars.ContextVar("draftwire_recheck", default=None)
+
+
+def recheck() -> Recheck | None:
+    """For the call being handled: a function that says whether the credentials it was admitted with
+    still admit it now (None: they do; a Refusal: revoked, or the token file broke). None when nothing
+    can be revoked (no token file, the pool's front)."""
+    return _RECHECK.get()
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Admits a call or ends it with UNAUTHENTICATED before its handler runs; sets `caller()`."""
+    """Admits a call or ends it with UNAUTHENTICATED (UNAVAILABLE while the token file is broken)
+    before its handler runs; sets `caller()` and `recheck()`.
+
+    With a token file, every identity must be listed there: a token's client, and a certificate's CN
+    (a `name -` line lists a client that only its certificate names), so that either can be revoked."""
 
     def __init__(self, config: AuthConfig, mtls: bool):
         """Raises OSError or BadTokenFile for an unreadable token file."""
@@ -148,26 +227,57 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _guarded(handler, self._admit)
 
     async def _admit(self, context) -> None:
-        identity, why = self.identify(dict(context.invocation_metadata()), context.auth_context())
+        identity, refusal, again = self.check_in(dict(context.invocation_metadata()), context.auth_context())
         if identity is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            await context.abort(refusal.code, refusal.message)
         _CALLER.set(identity)
+        _RECHECK.set(again)
 
     def identify(self, metadata: dict, auth_context: dict) -> tuple[Identity | None, str]:
         """The caller, or None and why not."""
+        identity, refusal, _ = self.check_in(metadata, auth_context)
+        return identity, refusal.message if refusal else ""
+
+    def check_in(
+        self, metadata: dict, auth_context: dict
+    ) -> tuple[Identity | None, Refusal | None, Recheck | None]:
+        """The caller and how to recheck it later, or None and why it is refused."""
         header = metadata.get("authorization", "")
         token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
         if token and self.front_secret is not None and hmac.compare_digest(token, self.front_secret):
-            return Identity(metadata.get(CLIENT_HEADER, ""), metadata.get(ADMIN_HEADER) == "1"), ""
+            return Identity(metadata.get(CLIENT_HEADER, ""), metadata.get(ADMIN_HEADER) == "1"), None, None
+        cn = auth_context.get("x509_common_name") if self.certificate_names else None
+        if self.tokens is not None and (token or cn):
+            self.tokens.refresh()
+            if self.tokens.error is not None:
+                return None, Refusal(grpc.StatusCode.UNAVAILABLE, self.tokens.error), None
         if token and self.tokens is not None:
             identity = self.tokens.lookup(token)
-            return (identity, "") if identity else (None, "unknown token: this server does not know it")
-        if self.certificate_names and (cn := auth_context.get("x509_common_name")):
+            if identity is None:
+                why = "unknown token: this server does not know it (mistyped, or revoked)"
+                return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, why), None
+            digest = _digest(token)
+            return identity, None, lambda: self._still(lambda: self.tokens.holds(digest, identity.name))
+        if cn:
             name = cn[0].decode()
-            return (self.tokens.named(name) if self.tokens else Identity(name)), ""
+            if self.tokens is None:
+                return Identity(name), None, None
+            identity = self.tokens.listed(name)
+            if identity is None:
+                why = f"certificate name {name!r} is not in the verifier's token file (unknown, or revoked)"
+                return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, why), None
+            return identity, None, lambda: self._still(lambda: self.tokens.listed(name) is not None)
         if token:
-            return None, "this server takes no tokens from clients"
-        return None, "no credentials: send a token (--token-file FILE, or DRAFTWIRE_TOKEN)"
+            why = "this server takes no tokens from clients"
+        else:
+            why = "no credentials: send a token (--token-file FILE, or DRAFTWIRE_TOKEN)"
+        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, why), None
+
+    def _still(self, holds: Callable[[], bool]) -> Refusal | None:
+        self.tokens.refresh()
+        if self.tokens.error is not None:
+            return Refusal(grpc.StatusCode.UNAVAILABLE, self.tokens.error)
+        return None if holds() else Refusal(grpc.StatusCode.UNAUTHENTICATED, REVOKED)
 
 
 def interceptors(auth: AuthConfig, tls: TlsConfig | None) -> list[AuthInterceptor]:

@@ -6,7 +6,7 @@ and writes its replies through `sent`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +17,9 @@ class LifetimeConfig:
     idle_timeout_s: float = 60.0  # no message from the edge this long: DEADLINE_EXCEEDED, cache freed
     max_age_s: float = 3600.0  # a session open this long ends with DEADLINE_EXCEEDED
     drain_timeout_s: float = 30.0  # on SIGTERM, running sessions may finish this long; then UNAVAILABLE
+    # How often an open session's credentials are checked again (a revoked token's session ends after
+    # two checks in a row refuse it: within 2 × recheck_s, and a token file caught mid-write ends none).
+    recheck_s: float = 1.0
 
 
 class Ended(Exception):
@@ -36,19 +39,43 @@ def cut_off() -> Ended:
 
 
 class Lifetime:
-    """One session's clock: since when it is open, and the server-wide `cut` that ends it."""
+    """One session's clock: since when it is open, the server-wide `cut` that ends it, and the recheck of
+    its credentials (`admitted()`: None while they still admit it, else a refusal with `code` and
+    `message`), which ends it when they are revoked. `close()` when the session ends."""
 
-    def __init__(self, config: LifetimeConfig, cut: asyncio.Event):
+    def __init__(self, config: LifetimeConfig, cut: asyncio.Event, admitted: Callable | None = None):
         self.config, self.cut = config, cut
-        self.opened_at = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        self.opened_at = loop.time()
+        self.revoked = asyncio.Event()  # set when the credentials no longer admit the session
+        self._revocation: Ended | None = None
+        self._watch = loop.create_task(self._recheck(admitted)) if admitted is not None else None
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _recheck(self, admitted: Callable) -> None:
+        refused_before = False
+        while True:
+            await asyncio.sleep(self.config.recheck_s)
+            refusal = admitted()
+            if refusal is not None and refused_before:
+                self._revocation = Ended(refusal.code, refusal.message)
+                self.revoked.set()
+                return
+            refused_before = refusal is not None
 
     def age_left(self) -> float:
         return self.config.max_age_s - (asyncio.get_running_loop().time() - self.opened_at)
 
     def check(self) -> None:
-        """Raises Ended when the session must end now (the drain cut it, or it is too old)."""
+        """Raises Ended when the session must end now (the drain cut it, its credentials were revoked, or
+        it is too old)."""
         if self.cut.is_set():
             raise cut_off()
+        if self._revocation is not None:
+            raise self._revocation
         if self.age_left() <= 0:
             raise Ended(grpc.StatusCode.DEADLINE_EXCEEDED, self._too_old())
 
@@ -57,9 +84,10 @@ class Lifetime:
 
     async def messages(self, requests: AsyncIterable) -> AsyncIterator:
         """The edge's messages, until it half-closes. Raises Ended when none comes within the idle
-        timeout, when the session reaches its maximum age, or when the drain cuts it."""
+        timeout, when the session reaches its maximum age, when the drain cuts it, or when its
+        credentials are revoked."""
         it = aiter(requests)
-        cut = asyncio.ensure_future(self.cut.wait())
+        stops = self._stops()
         end, read = object(), None
         try:
             while True:
@@ -67,7 +95,7 @@ class Lifetime:
                 read = asyncio.ensure_future(anext(it, end))
                 wait = min(self.config.idle_timeout_s, self.age_left())
                 done, _ = await asyncio.wait(
-                    {read, cut}, timeout=max(wait, 0.0), return_when="FIRST_COMPLETED"
+                    {read, *stops}, timeout=max(wait, 0.0), return_when="FIRST_COMPLETED"
                 )
                 if read not in done:
                     read.cancel()
@@ -82,21 +110,32 @@ class Lifetime:
                     return
                 yield message
         finally:  # the handler may be cancelled while a read is pending: leave no task behind
-            cut.cancel()
+            for stop in stops:
+                stop.cancel()
             if read is not None and not read.done():
                 read.cancel()
+
+    def _stops(self) -> list[asyncio.Future]:
+        """Futures done when the session must end before its next message: the cut, the revocation."""
+        stops = [asyncio.ensure_future(self.cut.wait())]
+        if self._watch is not None:
+            stops.append(asyncio.ensure_future(self.revoked.wait()))
+        return stops
 
     async def sent(self, write: Awaitable) -> None:
         """Awaits `write` (a reply to the edge). Raises Ended when it is still held after the idle
         timeout (an edge that reads no verdicts: flow control holds the write, and with it the
         session's cache), when the session reaches its maximum age, or when the drain cuts it."""
         write = asyncio.ensure_future(write)
-        cut = asyncio.ensure_future(self.cut.wait())
+        stops = self._stops()
         try:
             wait = min(self.config.idle_timeout_s, self.age_left())
-            done, _ = await asyncio.wait({write, cut}, timeout=max(wait, 0.0), return_when="FIRST_COMPLETED")
+            done, _ = await asyncio.wait(
+                {write, *stops}, timeout=max(wait, 0.0), return_when="FIRST_COMPLETED"
+            )
         finally:
-            cut.cancel()
+            for stop in stops:
+                stop.cancel()
             if not write.done():
                 write.cancel()
         if write not in done:

@@ -13,14 +13,15 @@ import logging
 import secrets
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from draftwire import ports, widths, wire
+from draftwire import metrics, ports, widths, wire
 from draftwire.contract import ModelInfo
 from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
@@ -56,7 +57,8 @@ class ServerConfig:
     limits: VerifierLimits = VerifierLimits()
     batch: BatchConfig = BatchConfig()
     metrics_port: int | None = None  # Prometheus metrics over HTTP on metrics_host:metrics_port (None: off)
-    metrics_host: str = "127.0.0.1"  # plain HTTP without authentication: loopback unless asked otherwise
+    metrics_host: str = "127.0.0.1"  # plain HTTP: loopback unless asked otherwise ("0.0.0.0" spelled out)
+    metrics_token_file: Path | None = None  # scrapes must send `Authorization: Bearer T`, T in this file
     # Finished sessions' caches kept for the next turn of a conversation: 1 GiB for 10 minutes.
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig(budget_bytes=1 << 30, ttl_s=600.0)
     tls: TlsConfig | None = None  # None: plaintext
@@ -76,6 +78,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
         self.admission = Admission(config.admission)
         self.draining = False  # opens are refused with UNAVAILABLE (the edge resumes elsewhere)
+        self.tokens: auth.TokenTable | None = None  # the token file, when the server has one (start_server)
+        self.revoked_sessions = 0  # open sessions ended because their credentials no longer admit them
         self.cut = asyncio.Event()  # set when the drain's time is up: every session ends, UNAVAILABLE
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
@@ -134,10 +138,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """
         # Not guessable; the session, its cache and what it leaves for a next turn belong to the caller.
         key = f"session-{secrets.token_urlsafe(12)}"
-        owner = auth.caller().name
+        owner = cache_owner(auth.caller(), context)
         client = client_name(context)  # whom the per-client caps count this session against
         session: VerifierSession | None = None
-        lifetime = Lifetime(self.config.lifetime, self.cut)
+        # Ends the session within 2 × recheck_s when its token or certificate name is revoked.
+        lifetime = Lifetime(self.config.lifetime, self.cut, auth.recheck())
         stale, stale_in_a_row = Window(self.config.admission.max_stale_per_s, 1.0), 0
         loop = asyncio.get_running_loop()
         try:
@@ -193,6 +198,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             ending = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {retry_ms} ms", retry_ms)
         except Ended as e:
             log.info("session %s ended: %s", key, e)
+            self.revoked_sessions += lifetime.revoked.is_set()
             ending = (e.code, str(e), None)
         except SessionError as e:
             log.info("session %s refused: %s", key, e)
@@ -206,6 +212,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         else:
             return
         finally:
+            lifetime.close()
             # Queued behind any forward of this key, so nothing outlives the release.
             self.batcher.release(key)
             self.admission.release(key)
@@ -216,6 +223,34 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.refusals[code.name] += 1
         metadata = ((RETRY_AFTER, str(retry_ms)),) if retry_ms is not None else ()
         await context.abort(code, details, trailing_metadata=metadata)
+
+    def auth_families(self):
+        """The metric families of authentication (draftwire.metrics.auth_families)."""
+        tokens = self.tokens
+        return metrics.auth_families(
+            None if tokens is None else tokens.error is None,
+            tokens.failures if tokens is not None else 0,
+            self.revoked_sessions,
+        )
+
+    async def watch_tokens(self, health_servicer) -> None:
+        """Follows the token file: re-reads it when it changes (so a broken file is logged at once, not
+        at the next call), and while it is broken health says NOT_SERVING (nobody can be admitted),
+        SERVING again once it is fixed (unless draining)."""
+        serving = True
+        while True:
+            await asyncio.sleep(self.config.lifetime.recheck_s)
+            self.tokens.refresh()
+            good = self.tokens.error is None
+            if good != serving and not self.draining:
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if good
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for name in ("", SERVICE):
+                    await health_servicer.set(name, status)
+                serving = good
 
     def _check_stale(self, in_a_row: int, per_second: Window, now: float) -> None:
         """Raises Ended (RESOURCE_EXHAUSTED) when a session's stale proposals look like a flood."""
@@ -257,6 +292,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 RETRY_AFTER = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED open: when to try again
+ANONYMOUS = "#connection "  # no listed client is named so: '#' starts a comment in a token file
+
+
+def cache_owner(identity: auth.Identity, context) -> str:
+    """Whose kept caches a session may start from, and to whom the cache it leaves belongs: its client.
+    An anonymous caller (no token, no certificate) cannot be recognised on another connection, so its
+    connection (the peer's address and port) stands for it: a conversation's turns on one channel
+    reuse their caches, and no other connection takes them (reuse across connections needs an
+    identity; `reused_positions` tells an anonymous caller nothing of what others sent)."""
+    return identity.name or ANONYMOUS + (context.peer() or "")
 
 
 def client_name(context) -> str:
@@ -275,8 +320,11 @@ class VerifierServer:
     def __init__(self, server: grpc.aio.Server, servicer: VerifierServicer, health_servicer):
         self.server, self.servicer, self.health = server, servicer, health_servicer
         self.metrics_port: int | None = None  # where the Prometheus metrics listen (None: nowhere)
+        self.watch: asyncio.Task | None = None  # follows the token file (VerifierServicer.watch_tokens)
 
     async def stop(self, grace: float | None = None) -> None:
+        if self.watch is not None:
+            self.watch.cancel()
         await self.server.stop(grace)
 
     async def drain(self, timeout_s: float | None = None) -> None:
@@ -284,7 +332,7 @@ class VerifierServer:
         if timeout_s is None:
             timeout_s = self.servicer.config.lifetime.drain_timeout_s
         await self.servicer.drain(timeout_s, self.health)
-        await self.server.stop(1.0)
+        await self.stop(1.0)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -295,15 +343,23 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[Veri
 
     Raises RuntimeError when the address cannot be bound.
     """
-    server = make_server(config)
+    guards = auth.interceptors(config.auth, config.tls)
+    server = make_server(config, guards)
     servicer = VerifierServicer(engine, config)
+    servicer.tokens = next((g.tokens for g in guards if g.tokens is not None), None)
     pb_grpc.add_VerifierServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server)
     port = await bind_and_start(server, config.host, config.port, config.tls)
     metrics_port = None
     if config.metrics_port is not None:
         try:
-            metrics_port = start_metrics(servicer.stats_proto, config.metrics_host, config.metrics_port)
+            metrics_port = start_metrics(
+                servicer.stats_proto,
+                config.metrics_host,
+                config.metrics_port,
+                config.metrics_token_file,
+                extra=servicer.auth_families,
+            )
         except BaseException:
             await server.stop(None)
             raise
@@ -311,18 +367,28 @@ async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[Veri
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     started = VerifierServer(server, servicer, health_servicer)
     started.metrics_port = metrics_port  # the bound one (metrics_port 0 picks a free port)
+    if servicer.tokens is not None:
+        started.watch = asyncio.get_running_loop().create_task(servicer.watch_tokens(health_servicer))
     return started, port
 
 
-def start_metrics(snapshot, host: str, port: int) -> int:
-    """Serves Prometheus metrics made from `snapshot()` (a ServerStats) at http://host:port/metrics, on
-    a thread of prometheus_client's; returns the bound port (0 picks a free one). Raises ports.PortInUse
-    when something listens there, OSError when it cannot bind otherwise."""
-    ports.check_free(host or "0.0.0.0", port)
+def start_metrics(snapshot, host: str, port: int, token_file: Path | None = None, extra=None) -> int:
+    """Serves Prometheus metrics made from `snapshot()` (a ServerStats) and `extra()` (more metric
+    families, when given) at http://host:port/metrics, on a thread of its own; returns the bound port
+    (0 picks a free one). `host` must be named: `0.0.0.0` (or `::`) for every interface, never "".
+    With `token_file`, every scrape must send `Authorization: Bearer T` with the token in that file
+    (re-read at each scrape, so it can be rotated).
+
+    Raises ValueError for an empty host, ports.PortInUse when something listens there, OSError when it
+    cannot bind otherwise or the token file cannot be read."""
+    if not host:
+        raise ValueError(metrics.EMPTY_HOST)
+    if token_file is not None:
+        metrics.read_token(token_file)  # unreadable or empty: said at start, not at the first scrape
+    ports.check_free(host, port)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(snapshot))
-    httpd, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
-    return httpd.server_port
+    registry.register(StatsCollector(snapshot, extra))
+    return metrics.serve(registry, host, port, token_file)
 
 
 def add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServicer:
@@ -335,16 +401,18 @@ def add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServi
     return health_servicer
 
 
-def make_server(config: ServerConfig) -> grpc.aio.Server:
+def make_server(config: ServerConfig, guards: list | None = None) -> grpc.aio.Server:
     """A grpc.aio server with the config's message limits, keepalive (a vanished client's streams end)
-    and its authentication (auth.interceptors); without SO_REUSEPORT, so that it never shares a port
-    (draftwire.ports).
+    and its authentication (`guards`, else auth.interceptors of the config); without SO_REUSEPORT, so
+    that it never shares a port (draftwire.ports).
 
     Raises OSError or auth.BadTokenFile when the token file cannot be read."""
     options = wire.message_size_options(config.max_message_bytes)
+    if guards is None:
+        guards = auth.interceptors(config.auth, config.tls)
     return grpc.aio.server(
         options=[*options, *KEEPALIVE_OPTIONS, *ports.SERVER_OPTIONS],
-        interceptors=[*auth.interceptors(config.auth, config.tls), MalformedRequests()],
+        interceptors=[*guards, MalformedRequests()],
     )
 
 
