@@ -170,6 +170,7 @@ class EdgeApp:
         self._checked_info = None
         self._health: tuple | None = None  # (when, body, status) of the last check
         self._health_lock = asyncio.Lock()
+        self._health_task: asyncio.Task | None = None  # a check running in the background
         self._token_bytes: int | None = None  # the longest token's bytes: a text's fewest tokens
         self._replying: set[str] = set()  # conversations whose reply is being generated
         self._shown: dict[str, str] = {}  # a stopped reply's text as the page showed it, until stored
@@ -209,8 +210,11 @@ class EdgeApp:
         self.channel = wire.channel(self.config.server, self.config.credentials)
         drafter = self.drafter if self.config.drafting is Drafting.EDGE else None
         self.session = EdgeSession(self.channel, drafter, vocabulary=self.drafter.vocabulary)
+        self._health_task = asyncio.get_running_loop().create_task(self._refresh_health())
 
     async def _stop(self, _app) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
         await self.channel.close()
         self.store.close()
         self.renderer.close()
@@ -319,15 +323,26 @@ class EdgeApp:
         return web.FileResponse(WEB / "index.html")
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the verifier says SERVING, else 503 with the reason. The verifier's answer is kept for
-        a second (and one check runs at a time), so probes under load answer at once."""
+        """200 while the verifier says SERVING, else 503 with the reason. Answered from the last check of
+        the verifier, which runs at start and again, in the background, when a probe finds it older than a
+        second: a probe never waits on a verifier busy with load (only the very first, before any check
+        has ended)."""
         loop = asyncio.get_running_loop()
-        if self._health is not None and loop.time() - self._health[0] < HEALTH_TTL_S:
-            return _health_response(*self._health[1:])
-        async with self._health_lock:
-            if self._health is None or loop.time() - self._health[0] >= HEALTH_TTL_S:
-                self._health = (loop.time(), *(await self._check_health()))
+        if self._health is None:
+            if self._health_task is not None and not self._health_task.done():
+                await asyncio.shield(self._health_task)
+            else:
+                await self._refresh_health()
+        elif loop.time() - self._health[0] >= HEALTH_TTL_S and (
+            self._health_task is None or self._health_task.done()
+        ):
+            self._health_task = loop.create_task(self._refresh_health())
         return _health_response(*self._health[1:])
+
+    async def _refresh_health(self) -> None:
+        async with self._health_lock:
+            checked = asyncio.get_running_loop().time()
+            self._health = (checked, *(await self._check_health()))
 
     async def _check_health(self) -> tuple[dict, int]:
         try:
@@ -695,14 +710,22 @@ def _max_tokens_set(body: dict) -> bool:
 async def _json(request: web.Request) -> dict:
     raw = await request.read()  # at most client_max_size (413 past it)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the request body is not valid JSON") from None
+        body = json.loads(raw, parse_constant=_not_json)
+        # A \ud800 escape parses to a lone surrogate, which no text can hold (SQLite, the tokenizer).
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise BadRequest(
+            "the request body is not valid JSON (UTF-8 text, no NaN or lone surrogates)"
+        ) from None
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
 
 
 @web.middleware

@@ -30,7 +30,7 @@ from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.testkit.fakes import Paced
 from verifier_service.admission import AdmissionConfig
 from verifier_service.auth import Identity
-from verifier_service.engine import TargetEngine
+from verifier_service.engine import TargetEngine, model_name
 from verifier_service.servicer import ServerConfig
 from verifier_service.session import VerifierLimits, reference_decode
 
@@ -202,7 +202,7 @@ def test_pool_serves_exactly_what_the_target_writes(pool, loop, engine, test_pai
     for prompt, (ids, stats) in zip(PROMPTS, runs, strict=False):
         assert ids == expected(engine, prompt, 24)
         assert stats.resumes == 0
-    assert info == direct and info.target_id == "target" and info.max_gamma == 8
+    assert info == direct and info.target_id == model_name(test_pair.target_dir) and info.max_gamma == 8
     assert totals.rounds == sum(s.rounds for s in per_replica.values()) >= sum(s.rounds for _, s in runs)
     assert totals.generated_tokens == sum(s.generated_tokens for s in per_replica.values())
     assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -4,10 +4,12 @@ verified reply stream in with its figures, stop a reply, reload and find the con
 Set DRAFTWIRE_SCREENSHOT=FILE to keep a screenshot of the page (docs/edge-app.png was taken so).
 """
 
+import contextlib
 import http.server
 import json
 import os
 import shutil
+import sqlite3
 import threading
 import time
 import urllib.error
@@ -35,6 +37,7 @@ def page(tmp_path_factory):
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1100, "height": 700})
         page.goto(edge.url)
+        page.db = db
         yield page
         browser.close()
 
@@ -97,6 +100,11 @@ def test_the_stop_button_ends_a_reply_and_a_new_chat_starts_empty(page):
     expect(figures.last).to_contain_text("stopped")
     # Stored exactly as it was shown (the page reads the store: SQLite), not the text the edge sent on.
     assert page.locator(".msg.assistant .text").last.inner_text() == shown
+    with contextlib.closing(sqlite3.connect(page.db)) as db:
+        role, content, figures = db.execute(
+            "SELECT role, content, figures FROM messages ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+    assert (role, content, json.loads(figures)["finish_reason"]) == ("assistant", shown, "cancelled")
     page.fill("#max-tokens", "8")
     page.fill("#input", "Shorter, please.")
     page.click("#send")

@@ -15,6 +15,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import vocabulary_from_hf
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
+from verifier_service.engine import model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,7 @@ def test_model_info_describes_the_target(server, test_pair):
     with grpc.insecure_channel(server.address) as channel:
         info = pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
     expected = vocabulary_from_hf(tokenizer)
-    assert info.target_id == "target"
+    assert info.target_id == model_name(test_pair.target_dir) != "target"
     assert (info.vocab_size, info.tokenizer_fingerprint) == (expected.size, expected.fingerprint)
     assert info.max_gamma == 8 and info.max_context == 512
     assert list(info.special_tokens.eos_token_ids) == [tokenizer.eos_token_id]

@@ -12,6 +12,7 @@ attention reads its own session's cache where it lies: nothing is gathered or pa
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -319,7 +320,7 @@ class TargetEngine:
         for name in candidates:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, name))
             model = model.to(dev).eval()
-            info = target_info(model_dir.name, tokenizer, model.config)
+            info = target_info(model_name(model_dir), tokenizer, model.config)
             try:
                 engine = cls(model, info, dev, invariant, hardware.numerics(name, invariant))
                 if invariant:
@@ -482,6 +483,24 @@ class TargetEngine:
         cache = self._caches.pop(key, None)
         if cache is not None:
             self.prefix_cache.put(cache)
+
+
+def model_name(model_dir: Path) -> str:
+    """The name the target is served under (GetModelInfo.target_id, the edge's `model`): the pair's
+    manifest's `name` (or the stem of the file it was made from, `SmolLM2-135M-Instruct`) where the
+    directory sits in a pair written by `draftwire models`, else the directory's own name, with its
+    parent's in front when that name is the pairs' generic `target` (`demo-target`)."""
+    manifest = model_dir.parent / "manifest.json"
+    try:
+        record = json.loads(manifest.read_text(encoding="utf-8"))
+        name = record.get("name") or Path(record["source"]["file"]).name.split(".")[0]
+        if isinstance(name, str) and name.isprintable() and name:
+            return name
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if model_dir.name == "target" and model_dir.parent.name:
+        return f"{model_dir.parent.name}-target"
+    return model_dir.name
 
 
 def target_info(target_id: str, tokenizer, config) -> TargetInfo:

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from openai import OpenAI
 
@@ -24,6 +25,7 @@ from tools.testkit.serverproc import EdgeProcess, ServerProcess
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 DRAFT = DEMO / "draft-q8_0.gguf"
+MODEL = "demo-target"  # the name the verifier serves models/demo/target under (its pair's name)
 EDGE = str(Path(sys.executable).parent / "draftwire")
 VERIFIER = os.environ.get("DRAFTWIRE_VERIFIER") or EDGE
 PROMPT = "def sum_of_squares(values):\n"
@@ -83,15 +85,13 @@ def _get(url: str) -> tuple[int, dict]:
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 11}], ids=["greedy", "seeded"])
 def test_completions_equal_the_target_alone_streamed_or_not(client, vocab, sampling):
     args = {"temperature": 0.0, **sampling}
-    whole = client.completions.create(model="target", prompt=PROMPT, max_tokens=32, **args)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, **args)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 32
     cli = ("--temperature", str(args["temperature"])) + (
         ("--seed", str(args["seed"])) if "seed" in args else ()
     )
     assert whole.choices[0].text == _reference(vocab, PROMPT, 32, *cli)
-    pieces = list(
-        client.completions.create(model="target", prompt=PROMPT, max_tokens=32, stream=True, **args)
-    )
+    pieces = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, stream=True, **args))
     assert "".join(p.choices[0].text for p in pieces if p.choices) == whole.choices[0].text
     timings = whole.model_extra["timings"]
     assert timings["predicted_n"] == 32 and timings["draft_n"] >= timings["draft_n_accepted"] > 0
@@ -100,10 +100,10 @@ def test_completions_equal_the_target_alone_streamed_or_not(client, vocab, sampl
 
 def test_chat_streams_with_usage_and_figures_in_the_last_chunks(client):
     messages = [{"role": "user", "content": "Return the sum of a list."}]
-    whole = client.chat.completions.create(model="target", messages=messages, max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     chunks = list(
         client.chat.completions.create(
-            model="target",
+            model=MODEL,
             messages=messages,
             max_completion_tokens=24,
             temperature=0,
@@ -122,13 +122,13 @@ def test_chat_streams_with_usage_and_figures_in_the_last_chunks(client):
 
 
 def test_stop_strings_cut_as_openai_does(client):
-    whole = client.completions.create(model="target", prompt=PROMPT, max_tokens=40, temperature=0).choices[0]
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0]
     text = whole.text
     stop = text[10:13]  # a string the reply contains
     assert stop and stop in text
     for stream in (False, True):
         reply = client.completions.create(
-            model="target",
+            model=MODEL,
             prompt=PROMPT,
             max_tokens=40,
             temperature=0,
@@ -165,6 +165,21 @@ def test_bad_parameters_get_400_with_an_openai_error(edge, body, param, words):
         assert reply["error"]["param"] == param
 
 
+def test_the_openai_client_raises_the_apis_own_errors(client):
+    """The official client maps our errors as it maps OpenAI's: its exception class, code and param."""
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-4o", messages=hi)
+    assert unknown.value.code == "model_not_found" and MODEL in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as role:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    assert role.value.param == "messages.[0].role"
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as long:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000, stream=stream)
+        assert long.value.param == "max_tokens" and "context" in long.value.message
+
+
 def test_malformed_json_gets_400(edge):
     status, reply = _post(edge.url + "v1/chat/completions", None, raw=b"{not json")
     assert status == 400 and "JSON" in reply["error"]["message"]
@@ -172,7 +187,7 @@ def test_malformed_json_gets_400(edge):
 
 def test_models_and_health(edge, verifier):
     status, models = _get(edge.url + "v1/models")
-    assert status == 200 and models["data"][0]["id"] == "target"
+    assert status == 200 and models["data"][0]["id"] == MODEL
     assert models["data"][0]["meta"]["draft"] == DRAFT.name
     assert _get(edge.url + "health") == (200, {"status": "ok", "verifier": verifier.address})
 
@@ -268,7 +283,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 def test_the_apps_metrics_count_its_replies_and_errors(edge, client):
     before = _metrics(edge.url)
-    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=0)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     _post(edge.url + "v1/completions", {"prompt": PROMPT, "top_k": -1})
     after = _metrics(edge.url)
     delta = lambda name: after.get(name, 0) - before.get(name, 0)  # noqa: E731
@@ -291,7 +306,7 @@ def test_a_thin_device_gets_the_same_text(verifier, vocab, tmp_path, drafting):
     extra = ("--vocab", str(DRAFT), "--server-drafting", drafting)
     with EdgeProcess(verifier.address, None, *extra, db=tmp_path / "e.sqlite3", executable=EDGE) as thin:
         client = OpenAI(base_url=thin.url + "v1", api_key="unused")
-        reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0)
+        reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
         assert reply.choices[0].text == _reference(vocab, PROMPT, 24, "--temperature", "0")
         if drafting == "none":
             assert reply.model_extra["timings"]["draft_n"] == 0

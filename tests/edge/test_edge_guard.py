@@ -70,10 +70,10 @@ class Verifier(pb_grpc.VerifierServicer):
 
 
 @contextlib.asynccontextmanager
-async def verifier(info: ModelInfo | pb.ModelInfo):
+async def verifier(info: ModelInfo | pb.ModelInfo, kind: type[Verifier] = Verifier):
     server = grpc.aio.server()
     proto = info if isinstance(info, pb.ModelInfo) else wire.model_info_to_proto(info)
-    servicer = Verifier(proto)
+    servicer = kind(proto)
     pb_grpc.add_VerifierServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -88,8 +88,10 @@ async def verifier(info: ModelInfo | pb.ModelInfo):
 
 
 @contextlib.asynccontextmanager
-async def edge(vocab, info: ModelInfo | pb.ModelInfo | None = None, **config):
-    async with verifier(info or honest_info(vocab)) as v:
+async def edge(
+    vocab, info: ModelInfo | pb.ModelInfo | None = None, kind: type[Verifier] = Verifier, **config
+):
+    async with verifier(info or honest_info(vocab), kind) as v:
         app = EdgeApp(EdgeConfig(v.address, drafting=Drafting.NONE, **config), vocab, "draft-q8_0.gguf")
         async with TestClient(TestServer(app.web_app(), host="127.0.0.1")) as client:
             client.verifier, client.edge = v, app

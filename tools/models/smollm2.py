@@ -142,6 +142,7 @@ def _write_manifest(directory: Path, record: tuple[Path, str, int]) -> None:
         files[name] = {"bytes": path.stat().st_size, "sha256": _record_hash(path)}
     manifest = {
         "format": _MANIFEST_FORMAT,
+        "name": SHIPPED_NAME.split(".")[0],  # the name the verifier serves the target under
         "source": {
             "distribution": PACKAGE,
             "version": VERSION,
