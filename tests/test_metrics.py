@@ -16,7 +16,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
+from tools.testkit.serverproc import DRAFTWIRE, ServerProcess, listening
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 GAMMA, NEW = 4, 40
@@ -103,27 +103,14 @@ def test_top_shows_the_same_figures(run):
     assert figures["gamma_cap"] == stats.gamma_cap
 
 
-def _listening(port: int) -> set[str]:
-    """The local addresses (hex, as /proc/net/tcp writes them) with a socket listening on `port`."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.rsplit(":", 1)
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    found.add(address)
-    return found
-
-
 def test_metrics_listen_on_loopback_even_when_the_service_listens_everywhere():
     """Plain HTTP with no authentication: `serve --host 0.0.0.0` keeps its metrics on 127.0.0.1 unless
     --metrics-host says otherwise."""
     port = _free_port()
     with ServerProcess(DEMO / "target", "--host", "0.0.0.0", "--metrics-port", str(port)) as server:
-        everywhere = _listening(int(server.address.rsplit(":", 1)[1]))
+        everywhere = listening(int(server.address.rsplit(":", 1)[1]))
         assert everywhere and everywhere <= {"00000000", "0" * 32}  # the service: 0.0.0.0 or [::]
-        assert _listening(port) == {"0100007F"}  # 127.0.0.1
+        assert listening(port) == {"0100007F"}  # 127.0.0.1
         assert (
             "draftwire:"
             in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()

@@ -18,31 +18,10 @@ import pytest
 from draftwire import metrics
 from draftwire.v1 import draftwire_pb2 as pb
 from tools.testkit.fakes import FakeEngine
+from tools.testkit.serverproc import listening
 from verifier_service.servicer import ServerConfig, start_metrics, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Engine(FakeEngine):
-    prefix_cache: dict = {}
-    cache_bytes = 0
-    active_sessions = 0
-
-    def keep_finished(self, config) -> None:
-        pass
-
-
-def listening(port: int) -> set[str]:
-    """The local addresses (hex, as /proc/net/tcp writes them) with a socket listening on `port`."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.rsplit(":", 1)
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    found.add(address)
-    return found
 
 
 def scrape(port: int, token: str | None = None) -> tuple[int, str]:
@@ -58,7 +37,7 @@ def scrape(port: int, token: str | None = None) -> tuple[int, str]:
 
 def test_metrics_bind_loopback_by_default_and_everywhere_only_when_spelled_out():
     async def run():
-        server, _ = await start_server(Engine(), ServerConfig("127.0.0.1", 0, metrics_port=0))
+        server, _ = await start_server(FakeEngine(), ServerConfig("127.0.0.1", 0, metrics_port=0))
         try:
             assert listening(server.metrics_port) == {"0100007F"}  # 127.0.0.1
             status, text = scrape(server.metrics_port)
@@ -66,7 +45,7 @@ def test_metrics_bind_loopback_by_default_and_everywhere_only_when_spelled_out()
         finally:
             await server.stop(None)
         with pytest.raises(ValueError, match="0.0.0.0"):  # "" would mean every interface: refused
-            await start_server(Engine(), ServerConfig("127.0.0.1", 0, metrics_port=0, metrics_host=""))
+            await start_server(FakeEngine(), ServerConfig("127.0.0.1", 0, metrics_port=0, metrics_host=""))
 
     asyncio.run(run())
     port = start_metrics(lambda: pb.ServerStats(), "0.0.0.0", 0)
@@ -80,7 +59,7 @@ def test_a_metrics_token_is_checked_on_every_scrape(tmp_path):
 
     async def run():
         config = ServerConfig("127.0.0.1", 0, metrics_port=0, metrics_token_file=token)
-        server, _ = await start_server(Engine(), config)
+        server, _ = await start_server(FakeEngine(), config)
         try:
             port = server.metrics_port
             for sent in (None, "wrong-token", "first-token-and-more", ""):

@@ -31,17 +31,6 @@ TOKENS = "alice alice-token\nbob bob-token\nops ops-token admin\ncarol -\n"
 SPEC = SessionSpec((5, 17, 42), SamplingParams(), 200, ignore_eos=True)
 
 
-class Engine(FakeEngine):
-    """The fake engine with what the servicer reads of a real one."""
-
-    prefix_cache: dict = {}
-    cache_bytes = 0
-    active_sessions = 0
-
-    def keep_finished(self, config) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     return make_certs(tmp_path_factory.mktemp("certs"), clients=("alice", "carol", "dave"))
@@ -138,7 +127,7 @@ def test_a_revoked_tokens_open_stream_ends_within_seconds_and_others_go_on(certs
     tokens.write_text(TOKENS)
 
     async def run():
-        server, port = await start_server(Engine(), config(certs, tokens, metrics_port=0))
+        server, port = await start_server(FakeEngine(), config(certs, tokens, metrics_port=0))
         address = f"127.0.0.1:{port}"
         try:
             async with (
@@ -168,7 +157,7 @@ def test_a_broken_or_missing_token_file_fails_closed_loudly_and_admission_resume
     tokens.write_text(TOKENS)
 
     async def run():
-        server, port = await start_server(Engine(), config(certs, tokens, metrics_port=0))
+        server, port = await start_server(FakeEngine(), config(certs, tokens, metrics_port=0))
         address = f"127.0.0.1:{port}"
         alice_creds = creds(certs, "alice-token")
         try:
@@ -215,7 +204,7 @@ def test_a_certificate_is_admitted_only_while_its_name_is_listed(certs, tmp_path
     tokens.write_text(TOKENS)  # lists alice (with a token) and carol (certificate only), not dave
 
     async def run():
-        server, port = await start_server(Engine(), config(certs, tokens, mtls=True))
+        server, port = await start_server(FakeEngine(), config(certs, tokens, mtls=True))
         address = f"127.0.0.1:{port}"
         try:
             assert await admitted(address, creds(certs, client="alice"))

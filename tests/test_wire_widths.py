@@ -79,20 +79,9 @@ def test_honest_messages_pass_unchanged_wide_uint64_fields_included():
     assert widths.strict_parser(len) is len  # not a draftwire.v1 parser: left alone
 
 
-class _Engine(FakeEngine):
-    """FakeEngine with what the servicer asks of an engine besides the contract."""
-
-    prefix_cache: dict = {}
-    cache_bytes = 0
-    active_sessions = 0
-
-    def keep_finished(self, config) -> None:
-        pass
-
-
 def test_a_verifier_refuses_wide_ids_and_a_port_in_use_and_tells_its_metrics_port():
     async def run():
-        server, port = await start_server(_Engine(), ServerConfig("127.0.0.1", 0, metrics_port=0))
+        server, port = await start_server(FakeEngine(), ServerConfig("127.0.0.1", 0, metrics_port=0))
         try:
             assert server.metrics_port  # --metrics-port 0: the bound port, which `serve` prints
             url = f"http://127.0.0.1:{server.metrics_port}/metrics"
@@ -113,7 +102,7 @@ def test_a_verifier_refuses_wide_ids_and_a_port_in_use_and_tells_its_metrics_por
                     assert "uint32" in refused.value.details()
             # One process per port: no SO_REUSEPORT sharing, said in one line.
             with pytest.raises(PortInUse, match=f"port {port} is already in use"):
-                await start_server(_Engine(), ServerConfig("127.0.0.1", port))
+                await start_server(FakeEngine(), ServerConfig("127.0.0.1", port))
         finally:
             await server.server.stop(None)
 

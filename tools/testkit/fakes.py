@@ -61,7 +61,8 @@ def fake_info(vocab: int = VOCAB, max_context: int = 256) -> TargetInfo:
 
 class FakeEngine:
     """The verifier's engine contract (`forward_many`, `release`, `adopt`, `info`) over per-session lengths
-    instead of KV caches. Records every batch it runs."""
+    instead of KV caches, with what the servicer reads of a real engine besides (no kept caches), so that a
+    real server can run over it. Records every batch it runs."""
 
     def __init__(self, info: TargetInfo | None = None):
         import torch  # the engine's contract is torch logits; the edge's fakes below need no torch
@@ -74,6 +75,13 @@ class FakeEngine:
         self.released: list[str] = []
         self.slow_s = 0.0  # each call takes at least this long, as a real forward would
         self.slow_per_position_s = 0.0  # and this much more per position it computes
+        # What the servicer reads of a real engine: nothing is kept, nothing is active.
+        self.prefix_cache: dict = {}
+        self.cache_bytes = 0
+        self.active_sessions = 0
+
+    def keep_finished(self, config) -> None:
+        """The servicer's prefix-cache setting; the fake keeps no caches."""
 
     def forward_many(self, forwards):
         if self.slow_s or self.slow_per_position_s:

@@ -151,3 +151,16 @@ def _wait_for(server: ServerProcess, pattern: str, timeout: float) -> str:
             break
     server.stop()
     raise RuntimeError("did not start:\n" + "".join(seen))
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) with a socket listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
