@@ -744,13 +744,15 @@ def _check_metrics_flags(args) -> None:
 def _load_target(args):
     """The target engine as `--target`, `--dtype` and `--no-bit-exact` ask; None, said on stderr, where
     there are no bit-exact kernels for it."""
-    from verifier_service.engine import NoInvariantKernels, TargetEngine
+    from verifier_service.engine import NoInvariantKernels, TargetEngine, UnsupportedModel
 
     try:
         engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
     except NoInvariantKernels as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return None
+    except UnsupportedModel as e:
+        raise UserError(f"--target {args.target}: {e}", 1) from None
     except (OSError, ValueError, KeyError) as e:  # no model there, or one transformers cannot read
         raise UserError(f"--target {args.target}: cannot load a model from it: {_reason(e)}", 1) from None
     print(f"draftwire: {numerics_line(engine)}", file=sys.stderr, flush=True)

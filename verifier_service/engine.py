@@ -25,11 +25,13 @@ from transformers.cache_utils import Cache
 
 from draftwire.contract import Numerics, TargetInfo
 from draftwire.vocab import vocabulary_from_hf
+from verifier_service import families
 from verifier_service import numerics as numerics_
-from verifier_service.invariant import NotInvariant, exact_attention, make_invariant
+from verifier_service.invariant import NotInvariant, exact_attention, make_invariant, softcapped_attention
 from verifier_service.numerics import Hardware, NoExactPath
 
 NoInvariantKernels = NoExactPath  # the name callers knew
+UnsupportedModel = families.UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -125,16 +127,16 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     query  # [rows, heads, width, head_dim]; key, value: _Rows
     returns (output [rows, width, heads, head_dim], None); padding positions come out as zeros.
     """
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("the verifier's attention supports neither logit softcapping nor sinks")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the verifier's attention does not support attention sinks")
     if not isinstance(key, _Rows):
         raise TypeError("rows_attention reads the sessions' caches: run the model through TargetEngine")
-    window = kwargs.get("sliding_window")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     _, heads, width, head_dim = query.shape
     outputs = []
     for r, (keys, values, n) in enumerate(zip(key.states, value.states, key.widths, strict=True)):
         if key.exact:
-            out = exact_attention(query[r : r + 1, :, :n], keys, values, scaling, window)
+            out = exact_attention(query[r : r + 1, :, :n], keys, values, scaling, window, softcap)
             if n < width:
                 out = torch.cat([out, out.new_zeros(1, width - n, heads, head_dim)], dim=1)
             outputs.append(out)
@@ -142,14 +144,13 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         shape = (n, keys.shape[-2], window)
         if shape not in key.masks:
             key.masks[shape] = _causal_mask(*shape, query.device)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query[r : r + 1, :, :n],
-            keys,
-            values,
-            attn_mask=key.masks[shape],
-            scale=scaling,
-            enable_gqa=True,
-        )
+        one = (query[r : r + 1, :, :n], keys, values)
+        if softcap is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *one, attn_mask=key.masks[shape], scale=scaling, enable_gqa=True
+            )
+        else:
+            out = softcapped_attention(*one, scaling, softcap, key.masks[shape])
         out = out.transpose(1, 2)  # [1, n, heads, head_dim]
         if n < width:
             out = torch.cat([out, out.new_zeros(1, width - n, heads, head_dim)], dim=1)
@@ -275,7 +276,10 @@ class TargetEngine:
         (verifier_service/invariant.py); raises ValueError where there are no kernels for that, and
         NotInvariant where the kernels' check fails on this machine. `numerics`: what the engine
         reports as its numerics identity (default: read off this machine)."""
-        model.set_attn_implementation(ROWS_ATTENTION)
+        try:
+            model.set_attn_implementation(ROWS_ATTENTION)
+        except ValueError as e:  # a model without attention layers transformers can route (recurrent)
+            raise UnsupportedModel(f"the verifier cannot run {model.config.model_type} models: {e}") from e
         if invariant:
             make_invariant(model)
         self.invariant = invariant
@@ -304,9 +308,13 @@ class TargetEngine:
         the dtype is proven at load: the kernels' check, then `check_invariance`; auto falls back to
         the next dtype where that fails.
 
-        Raises OSError or ValueError from transformers when the directory holds no causal LM, and
-        NoExactPath (a ValueError, with one line saying what is missing and the choices) where invariant
-        mode cannot run the dtype asked for here.
+        Every engine is also checked against the model's own forward (`check_conformance`), in both
+        modes.
+
+        Raises OSError or ValueError from transformers when the directory holds no causal LM,
+        UnsupportedModel (a ValueError) for an architecture the engine cannot serve right (docs/families.md),
+        and NoExactPath (a ValueError, with one line saying what is missing and the choices) where
+        invariant mode cannot run the dtype asked for here.
         """
         model_dir = Path(model_dir)
         hardware = hardware or Hardware.detect(device)
@@ -315,6 +323,9 @@ class TargetEngine:
         if invariant and len(candidates) > 1:
             config = AutoConfig.from_pretrained(model_dir)
             candidates = numerics_.fastest_first(candidates, numerics_.probe_shapes(config))
+        refusal = families.refusal(AutoConfig.from_pretrained(model_dir).model_type)
+        if refusal is not None:
+            raise UnsupportedModel(refusal)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         passed_over = []
         for name in candidates:
@@ -323,6 +334,7 @@ class TargetEngine:
             info = target_info(model_name(model_dir), tokenizer, model.config)
             try:
                 engine = cls(model, info, dev, invariant, hardware.numerics(name, invariant))
+                engine.check_conformance()
                 if invariant:
                     engine.check_invariance()
             except NotInvariant as e:
@@ -334,6 +346,41 @@ class TargetEngine:
             f"no dtype is bit-exact on this machine ({'; '.join(passed_over)}): run with --no-bit-exact, "
             "which gives up output identical to the target alone"
         )
+
+    def check_conformance(self, prompt: int = 10, gamma: int = 4, seed: int = 1) -> None:
+        """Proves that the engine computes the model's own function: the logits of a prefill and two
+        rounds through the sessions' caches and `rows_attention` equal, within float tolerance
+        (families.TOLERANCE), the model's own eager forward over the whole sequence. An architecture
+        whose attention or cache the engine does not reproduce (positions from the attention mask,
+        ALiBi, recurrent state, a cache length per batch) fails here, at load, instead of serving wrong
+        tokens. Raises UnsupportedModel. Costs 2 (prompt + 2 (γ + 1)) positions of forward."""
+        model_type = self.model.config.model_type
+        prompt = max(1, min(prompt, self.info.max_context - 2 * (gamma + 1)))
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.info.vocabulary.size, (prompt + 2 * (gamma + 1),), generator=generator)
+        key, step = "check-conformance", gamma + 1
+        try:
+            self.forward(key, 0, ids[:prompt].tolist(), wants_logits=False)
+            ours = torch.cat(
+                [self.forward(key, at, ids[at : at + step].tolist()) for at in (prompt, prompt + step)]
+            )
+            self.model.set_attn_implementation("eager")
+            with torch.inference_mode():
+                own = self.model(input_ids=ids[None].to(self.device), use_cache=False).logits
+            own = own[0, prompt:, : self.info.vocabulary.size].float().cpu()
+        except Exception as e:  # what transformers raises for a forward the engine cannot run
+            raise UnsupportedModel(
+                f"the verifier cannot run {model_type} models: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            self._caches.pop(key, None)
+            self.model.set_attn_implementation(ROWS_ATTENTION)
+        error = families.relative_error(ours, own)
+        if error > families.TOLERANCE[self.numerics.dtype]:
+            raise UnsupportedModel(
+                f"the verifier does not reproduce {model_type} models' own forward "
+                f"(logits off by {error:.1e} of their range in {self.numerics.dtype})"
+            )
 
     def check_invariance(self, prompt: int = 6, gamma: int = 4, seed: int = 0) -> None:
         """Proves invariant mode on this machine with the real model: the logits of γ + 1 positions
@@ -511,7 +558,7 @@ def target_info(target_id: str, tokenizer, config) -> TargetInfo:
     return TargetInfo(
         target_id=target_id,
         vocabulary=vocabulary,
-        max_context=int(getattr(config, "max_position_embeddings", 2048)),
+        max_context=families.context_limit(config),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=eos_ids,
         pad_token_id=tokenizer.pad_token_id,

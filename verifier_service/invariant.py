@@ -19,7 +19,8 @@ alike whatever the row count (measured; the model-level check in the tests cover
 
 What this module puts in their place:
 
-- `packed_linear` (`InvariantLinear`): the weight is packed once into oneDNN's blocked layout for a
+- `packed_linear` (`InvariantLinear`, and `InvariantConv1D` for GPT-2's transposed linear layers): the
+  weight is packed once into oneDNN's blocked layout for a
   fixed row hint, and every call runs oneDNN's inner product on it, in chunks of at most `max_rows` rows
   and at least `min_rows` (zero-padded). With the layout fixed, the kernel reduces every output over
   the inner dimension in the same order for any row count inside those bounds. That is a property of
@@ -28,6 +29,7 @@ What this module puts in their place:
   re-laid out on every call.
 - `exact_attention`: each query attends in a call of its own, over exactly the keys it sees, without a
   mask: precisely the call a one-position forward makes, so the result cannot depend on the others.
+  Soft-capped scores (Gemma 2) take `softcapped_attention`, written out, in the same one-query calls.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 # Per dtype: (the row count the weight is packed for, the fewest rows of one oneDNN call, the most).
 # float32: in the layout packed for 32 rows, oneDNN's one-row kernel differs from its many-row one, so a
@@ -103,15 +106,38 @@ class InvariantLinear(nn.Linear):
         return packed_linear(x, self.packed, self.bias)
 
 
+class InvariantConv1D(Conv1D):
+    """transformers' Conv1D (GPT-2's projections: a linear layer whose weight is stored [in, out]) running
+    `packed_linear` on the transposed weight, swapped in like InvariantLinear."""
+
+    packed: torch.Tensor
+
+    def repack(self) -> None:
+        self.packed = pack_weight(self.weight.t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias)
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a linear layer of either kind."""
+    fan_out, fan_in = module.weight.shape
+    return (fan_out, fan_in) if isinstance(module, Conv1D) else (fan_in, fan_out)
+
+
+_INVARIANT = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
+
+
 def make_invariant(model: nn.Module, check: bool = True) -> nn.Module:
     """Puts a loaded transformers model (on CPU, already in its final dtype) into invariant mode: every
-    plain nn.Linear (attention projections, MLP, lm_head) runs `packed_linear`. Attention is the caller's
-    to route through `exact_attention`. Returns the model.
+    plain nn.Linear (attention projections, MLP, lm_head) and transformers Conv1D (GPT-2's) runs
+    `packed_linear`. Attention is the caller's to route through `exact_attention`. Returns the model.
 
     Raises ValueError for a dtype or device without kernels here; NotInvariant when `check` finds
     oneDNN not row-invariant on this machine for the model's shapes (then the mode cannot be trusted).
     """
-    linears = [m for m in model.modules() if type(m) in (nn.Linear, InvariantLinear)]
+    kinds = {*_INVARIANT, *_INVARIANT.values()}
+    linears = [m for m in model.modules() if type(m) in kinds]
     for module in linears:
         if not supported(module.weight.dtype, module.weight.device):
             raise ValueError(
@@ -119,9 +145,9 @@ def make_invariant(model: nn.Module, check: bool = True) -> nn.Module:
             )
     if check:
         for dtype in {m.weight.dtype for m in linears}:
-            check_linear(dtype, {(m.in_features, m.out_features) for m in linears if m.weight.dtype == dtype})
+            check_linear(dtype, {_shape(m) for m in linears if m.weight.dtype == dtype})
     for module in linears:
-        module.__class__ = InvariantLinear
+        module.__class__ = _INVARIANT.get(type(module), type(module))
         module.repack()
     return model
 
@@ -156,6 +182,7 @@ def exact_attention(
     values: torch.Tensor,
     scaling: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one session's new positions over its cache, one query per call over exactly
     the keys it sees (no mask): each output is what a one-position forward computes for that position.
@@ -163,6 +190,7 @@ def exact_attention(
     query [1, heads, n, head_dim]: the last n of the `held` positions of keys and values
     keys, values [1, kv_heads, held, head_dim]; fewer kv_heads than heads is grouped-query attention
     window: a sliding window's width, or None
+    softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), or None
     returns [1, n, heads, head_dim]
     """
     n, held = query.shape[-2], keys.shape[-2]
@@ -170,14 +198,37 @@ def exact_attention(
     for j in range(n):
         end = held - n + j + 1  # this query's position + 1
         start = 0 if window is None else max(0, end - window)
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, j : j + 1],
-                keys[:, :, start:end],
-                values[:, :, start:end],
-                scale=scaling,
-                enable_gqa=True,
-            )
-        )
+        one = (query[:, :, j : j + 1], keys[:, :, start:end], values[:, :, start:end])
+        if softcap is None:
+            out = torch.nn.functional.scaled_dot_product_attention(*one, scale=scaling, enable_gqa=True)
+        else:
+            out = softcapped_attention(*one, scaling, softcap)
+        outs.append(out)
     out = outs[0] if n == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)
+
+
+def softcapped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float | None,
+    softcap: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention whose scores are capped softly, softcap * tanh(q.k * scaling / softcap), as Gemma 2
+    defines it (scaled_dot_product_attention has no such step); the softmax runs in float32.
+
+    query [1, heads, n, head_dim]; keys, values [1, kv_heads, held, head_dim]
+    mask: [n, held] bool (True: seen), or None for all
+    returns [1, heads, n, head_dim]
+    """
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values)

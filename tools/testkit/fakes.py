@@ -185,6 +185,30 @@ class MistakenDrafter:
         return draft
 
 
+@dataclass
+class ScriptedDrafter:
+    """Drafts a known continuation of each prompt (for instance the target's own output, from an
+    independent reference), one token wrong at every `wrong_every`-th generated position: rounds on a
+    real target then accept whole drafts, part of one and none. `inner` lends the vocabulary (a real
+    drafter's, whose fingerprint the verifier checks)."""
+
+    scripts: dict[tuple[int, ...], list[int]]  # prompt -> the tokens that follow it
+    inner: object
+    wrong_every: int = 5
+    executor = None
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        return self.inner.vocabulary
+
+    def propose(self, sequence, gamma, params, stop_token_ids=()) -> list[int]:
+        prompt = next(p for p in self.scripts if tuple(sequence[: len(p)]) == p)
+        done = len(sequence) - len(prompt)
+        wrong = {i for i in range(done, done + gamma) if i % self.wrong_every == self.wrong_every - 1}
+        script = self.scripts[prompt][done : done + gamma]
+        return [(t + 1) % self.vocabulary.size if i in wrong else t for i, t in enumerate(script, start=done)]
+
+
 class Paced:
     """A real drafter that takes `delay_s` per proposal, on a thread of its own: a generation lasts long
     enough to be drained or disturbed mid-way."""
