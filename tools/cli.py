@@ -501,6 +501,15 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--out", type=Path, default=None, help="default: $XDG_DATA_HOME/draftwire/models/NAME")
     f.add_argument("--force", action="store_true", help="write it again even if it is complete")
     f.add_argument("--card", action="store_true", help="then measure the model card (minutes)")
+    c = models.add_parser(
+        "check", help="whether a draft GGUF pairs with a target, their agreement, the expected speedup"
+    )
+    c.add_argument("--target", type=Path, required=True, help="a transformers model directory")
+    c.add_argument("--draft", type=Path, required=True, help="a GGUF file")
+    c.add_argument("--tokens", type=_count, default=32, help="target tokens per prompt (3 prompts)")
+    c.add_argument("--rtt-ms", type=float, default=20.0, help="round trip assumed for the speedup")
+    c.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="the target's")
+    c.add_argument("--json", action="store_true", help="the report as JSON")
     b = models.add_parser(
         "build", help="tokenizer, trained target, distilled draft, GGUF exports, model card"
     )
@@ -1109,6 +1118,8 @@ def _bench(args) -> int:
 
 
 def _models(args) -> int:
+    if args.models_command == "check":
+        return _models_check(args)
     if args.models_command == "fetch":
         from tools.models import smollm2
 
@@ -1122,6 +1133,27 @@ def _models(args) -> int:
     card = build(args.out or DEFAULT_OUT, tuple(args.stage or STAGES), quick=args.quick)
     print(f"draftwire: model pair built; card at {card}")
     return 0
+
+
+def _models_check(args) -> int:
+    from tools.models.check import as_json, check_pair
+
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):
+        if not path.exists():
+            raise UserError(f"{flag} {path}: no such file or directory")
+    try:
+        report = check_pair(
+            args.target,
+            args.draft,
+            new_tokens=args.tokens,
+            rtt_ms=args.rtt_ms,
+            dtype=args.dtype,
+            log=lambda m: print(f"draftwire: {m}", file=sys.stderr, flush=True),
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot read the pair: {_reason(e)}", 1) from None
+    print(json.dumps(as_json(report), indent=2) if args.json else "\n".join(report.lines()))
+    return 0 if report.accepted else 1
 
 
 def _demo(args) -> int:
