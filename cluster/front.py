@@ -35,7 +35,7 @@ from verifier_service.servicer import (
     ServerConfig,
     add_health_and_reflection,
     bind_and_start,
-    cache_owner,
+    client_of,
     make_server,
     start_metrics,
 )
@@ -155,7 +155,7 @@ class Front:
             # An anonymous edge is known by its connection to the front, so that the replica keeps
             # its caches for it alone (not for every anonymous edge the front speaks for).
             client = auth.caller()
-            metadata = self.pool.hop_metadata(auth.Identity(cache_owner(client, context), client.admin))
+            metadata = self.pool.hop_metadata(auth.Identity(client_of(client, context), client.admin))
             call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
             up = None
             try:

@@ -193,12 +193,10 @@ class EdgeSession:
             raise VerifierError(grpc.StatusCode.INTERNAL, f"bad verdict from the verifier: {e}") from None
         except (grpc.aio.AioRpcError, VerifierError) as e:
             error = e if isinstance(e, VerifierError) else VerifierError(e.code(), e.details() or "")
-            if error.code == grpc.StatusCode.INTERNAL and (
-                not inbox.opened or error.details == _CORE_INTERNAL
-            ):
+            if _broken_transport(error) or (error.code == grpc.StatusCode.INTERNAL and not inbox.opened):
                 await self._raise_open_refusal(request, generated, stats)
-                # The verifier accepts this open: the bare INTERNAL was the transport failing under the
-                # writes (a dropped connection or a killed verifier, say), which a resume can cure.
+                # The verifier accepts this open: the status was the transport failing (a dropped
+                # connection, a killed verifier, bytes corrupted in flight), which a resume can cure.
                 error = VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
             raise error from None
         finally:
@@ -253,7 +251,10 @@ class EdgeSession:
             await call.write(pb.EdgeMessage(open=self._open_message(request, generated, stats)))
             await call.read()
         except grpc.aio.AioRpcError as e:
-            raise VerifierError(e.code(), e.details() or "") from None
+            error = VerifierError(e.code(), e.details() or "")
+            if _broken_transport(error):  # the connection is still the broken one: resume
+                error = VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
+            raise error from None
         finally:
             call.cancel()
 
@@ -295,6 +296,16 @@ class EdgeSession:
 # What the gRPC core (not the verifier) reports when the connection breaks under a write; the
 # verifier's own INTERNAL statuses say "verifier error: ...".
 _CORE_INTERNAL = "Internal error from Core"
+# And when the connection's bytes go bad (TLS fails a record's check: TSI_DATA_CORRUPTED) or it is torn
+# down under a stream; the verifier never answers UNKNOWN itself.
+_STREAM_REMOVED = "Stream removed"
+
+
+def _broken_transport(error: VerifierError) -> bool:
+    """The gRPC core's own status for a connection that broke, not one the verifier chose."""
+    return (error.code == grpc.StatusCode.INTERNAL and error.details == _CORE_INTERNAL) or (
+        error.code == grpc.StatusCode.UNKNOWN and error.details.startswith(_STREAM_REMOVED)
+    )
 
 
 def _bad_thin_verdict(verdict: Verdict, vocab_size: int) -> str | None:

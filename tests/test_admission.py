@@ -3,15 +3,20 @@ tables of opens and releases on a hand-driven clock."""
 
 import pytest
 
-from verifier_service.admission import Admission, AdmissionConfig, Refused, Window, kv_estimate
+from verifier_service.admission import Admission, AdmissionConfig, Refused, Window
 
 MiB = 1 << 20
+
+
+def limits(**kwargs) -> AdmissionConfig:
+    """A config as the server resolves it, with no KV budget unless one is given."""
+    return AdmissionConfig(**{"kv_budget_bytes": 0, **kwargs})
 
 
 # Each step: ("open", key, client, kv_bytes, now) -> True (admitted) or a refusal's text; ("close", key).
 CASES = [
     pytest.param(
-        AdmissionConfig(max_sessions=2),
+        limits(max_sessions=2),
         [
             ("open", "a", "x", 0, 0, True),
             ("open", "b", "y", 0, 0, True),
@@ -20,7 +25,7 @@ CASES = [
         id="global cap refuses the third",
     ),
     pytest.param(
-        AdmissionConfig(max_sessions=2),
+        limits(max_sessions=2),
         [
             ("open", "a", "x", 0, 0, True),
             ("open", "b", "y", 0, 0, True),
@@ -30,7 +35,7 @@ CASES = [
         id="a release makes room",
     ),
     pytest.param(
-        AdmissionConfig(max_sessions_per_client=1),
+        limits(max_sessions_per_client=1),
         [
             ("open", "a", "x", 0, 0, True),
             ("open", "b", "x", 0, 0, "'x' holds"),
@@ -39,7 +44,7 @@ CASES = [
         id="per-client cap counts each client apart",
     ),
     pytest.param(
-        AdmissionConfig(sessions_per_minute=2),
+        limits(sessions_per_minute=2),
         [
             ("open", "a", "x", 0, 0, True),
             ("close", "a"),
@@ -52,7 +57,7 @@ CASES = [
         id="rate per client per minute, sliding",
     ),
     pytest.param(
-        AdmissionConfig(kv_budget_bytes=10 * MiB),
+        limits(kv_budget_bytes=10 * MiB, client_kv_share=1),
         [
             ("open", "a", "x", 6 * MiB, 0, True),
             ("open", "b", "y", 5 * MiB, 0, "5 MiB of KV cache; 4 MiB"),
@@ -63,7 +68,7 @@ CASES = [
         id="kv budget",
     ),
     pytest.param(
-        AdmissionConfig(max_sessions=1, sessions_per_minute=1),
+        limits(max_sessions=1, sessions_per_minute=1),
         [
             ("open", "a", "x", 0, 0, True),
             ("open", "b", "x", 0, 1, "maximum of 1"),
@@ -73,7 +78,7 @@ CASES = [
         id="a refusal by a cap does not spend the rate, the admitted open does",
     ),
     pytest.param(
-        AdmissionConfig(),
+        limits(),
         [("open", str(i), "x", 10**12, 0, True) for i in range(50)],
         id="no limits: everything is admitted",
     ),
@@ -99,7 +104,7 @@ def test_admission_table(config, steps):
 
 
 def test_release_is_idempotent_and_frees_everything():
-    admission = Admission(AdmissionConfig(max_sessions=1, kv_budget_bytes=MiB))
+    admission = Admission(limits(max_sessions=1, kv_budget_bytes=MiB, client_kv_share=1))
     admission.admit("a", "x", MiB, 0)
     admission.release("a")
     admission.release("a")
@@ -109,7 +114,7 @@ def test_release_is_idempotent_and_frees_everything():
 
 
 def test_the_rate_refusal_says_when_a_slot_frees():
-    admission = Admission(AdmissionConfig(sessions_per_minute=1))
+    admission = Admission(limits(sessions_per_minute=1))
     admission.admit("a", "x", 0, 100.0)
     with pytest.raises(Refused) as refused:
         admission.admit("b", "x", 0, 130.0)
@@ -119,7 +124,7 @@ def test_the_rate_refusal_says_when_a_slot_frees():
 def test_the_rate_table_forgets_clients_that_opened_nothing_for_a_minute():
     """Each client name gets a window; a stream of one-off names (peer addresses) must not grow it forever,
     and a client still inside its minute keeps its count."""
-    admission = Admission(AdmissionConfig(sessions_per_minute=1))
+    admission = Admission(limits(sessions_per_minute=1))
     for n in range(1000):
         admission.admit(f"s{n}", f"10.0.{n // 256}.{n % 256}", 0, n * 0.01)
         admission.release(f"s{n}")
@@ -139,5 +144,21 @@ def test_window_counts_a_sliding_second():
     assert [window.allow(t) for t in (0.0, 0.1, 0.2, 0.3, 1.05, 1.1)] == [True, True, True, False, True, True]
 
 
-def test_kv_estimate_counts_every_position_the_session_may_hold():
-    assert kv_estimate(committed=100, max_new_tokens=28, bytes_per_position=3840) == 128 * 3840
+def test_one_client_reserves_at_most_its_share_of_the_budget():
+    """A client (a connection when anonymous) cannot lock the others out: past half the budget it is
+    refused while another client still gets in, and its release gives its share back."""
+    admission = Admission(limits(kv_budget_bytes=10 * MiB, client_kv_share=0.5))
+    admission.admit("a", "flood", 4 * MiB, 0)
+    with pytest.raises(Refused, match="'flood' holds 4 MiB of the 5 MiB one client may reserve"):
+        admission.admit("b", "flood", 2 * MiB, 0)
+    admission.admit("c", "bystander", 5 * MiB, 0)
+    assert admission.kv_room == 1 * MiB  # what kept caches may hold beside the reservations
+    admission.release("a")
+    admission.admit("d", "flood", 5 * MiB, 0)
+    assert admission.kv_room == 0
+
+
+def test_the_budget_must_be_sized_before_admission_starts():
+    with pytest.raises(ValueError, match="sized by the server"):
+        Admission(AdmissionConfig())
+    assert AdmissionConfig().max_sessions and AdmissionConfig().client_kv_share < 1  # on by default

@@ -155,3 +155,57 @@ def test_a_bystanders_round_does_not_wait_behind_other_sessions_prefills():
     alone, crowded = asyncio.run(main())
     assert crowded < 0.3  # two batches of at most 65 positions at 1 ms each, with slack; unchunked: 8 s
     assert all(sum(len(f.token_ids) for f in b if not f.wants_logits) <= 64 for b in engine.batches)
+
+
+def test_a_bystanders_rounds_stay_within_a_bound_while_long_prompts_prefill():
+    """Prefill bounded by time, not positions: every engine call costs 10 ms and each position 1 ms more,
+    so a bystander's round of 6 positions takes 16 ms alone. Three sessions prefill 2,000-position
+    prompts meanwhile; a batch's prefill follows the measured speed (half a round's time), so a round
+    waits at most for the chunk in flight and its own batch's: within 3x its time alone (2.2x measured
+    here). With the share off, chunks of 256 positions (266 ms) make rounds over 10x slower."""
+
+    async def scenario(batcher):
+        batcher.join("bystander")
+        await batcher.forward(Forward("bystander", 0, (1, 2), wants_logits=False))
+        n, rounds = 2, []
+        draft = (3, 4, 5, 6, 7, 8)
+        for _ in range(3):  # alone: the rounds' time is learned
+            start = time.perf_counter()
+            await batcher.forward(Forward("bystander", n, draft))
+            rounds.append(time.perf_counter() - start)
+            n += 1
+        alone = sorted(rounds)[1]
+        for i in range(3):
+            batcher.join(f"s{i}")
+        prefills = [
+            asyncio.ensure_future(batcher.forward(Forward(f"s{i}", 0, tuple(range(1, 2001)), False)))
+            for i in range(3)
+        ]
+        crowded = []
+        while not all(p.done() for p in prefills) and len(crowded) < 60:
+            await asyncio.sleep(0.005)  # the edge drafts; prefill runs meanwhile
+            start = time.perf_counter()
+            await batcher.forward(Forward("bystander", n, draft))
+            crowded.append(time.perf_counter() - start)
+            n += 1
+        for p in prefills:
+            p.cancel()
+        return alone, crowded
+
+    def measure(share: float):
+        engine = FakeEngine()
+        engine.slow_s, engine.slow_per_position_s = 0.01, 0.001
+
+        async def main():
+            batcher = Batcher(engine, BatchConfig(window_s=0, prefill_share=share))
+            try:
+                return await scenario(batcher)
+            finally:
+                batcher.close()
+
+        return asyncio.run(main())
+
+    alone, crowded = measure(0.5)
+    assert len(crowded) >= 20 and max(crowded[2:]) < 3 * alone, (alone, crowded)  # 2 rounds to learn
+    alone_off, crowded_off = measure(0.0)
+    assert max(crowded_off) > 10 * alone_off, (alone_off, crowded_off)  # positions alone bound no time

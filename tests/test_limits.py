@@ -28,7 +28,16 @@ def bytes_per_position(test_pair) -> int:
 def limited(test_pair, bytes_per_position):
     """Two sessions at most; a KV budget of 100 positions; idle sessions end after IDLE_S; no kept caches."""
     budget_mb = 100 * bytes_per_position / (1 << 20)
-    args = ["--dtype", "float32", "--max-sessions", "2", "--kv-budget-mb", f"{budget_mb}"]
+    args = [
+        "--dtype",
+        "float32",
+        "--max-sessions",
+        "2",
+        "--kv-budget-mb",
+        f"{budget_mb}",
+        "--client-kv-share",
+        "1",
+    ]
     args += ["--idle-timeout-s", str(IDLE_S), "--max-stale-per-s", "5"]
     args += ["--prefix-cache-mb", "0"]  # a freed cache is gone, not kept for a next turn
     with ServerProcess(test_pair.target_dir, *args) as server:

@@ -67,3 +67,39 @@ def test_dropped_connection_resumes_with_every_committed_token(server, test_pair
     committed, stats = asyncio.run(run())
     assert stats.resumes >= 1
     assert committed == expected
+
+
+def test_a_tls_connection_corrupted_in_flight_resumes_with_every_committed_token(test_pair, tmp_path):
+    """A bit flipped on the wire fails TLS's record check and kills the connection; the edge resumes
+    like after any other loss (not an UNKNOWN that ends the generation), with the target's exact tokens."""
+    from draftwire import wire
+    from tools.testkit.certs import make_certs
+    from verifier_service.auth import TlsConfig
+    from verifier_service.servicer import ServerConfig, start_server
+
+    certs = make_certs(tmp_path / "certs", clients=())
+    prompt = (11, 22, 33, 44, 55)
+    engine = TargetEngine.load(test_pair.target_dir, dtype="float32")
+    expected = reference_decode(engine, SessionSpec(prompt, max_new_tokens=40, ignore_eos=True))
+    drafter = LlamaDrafter(DrafterConfig(test_pair.draft_q4_0, n_ctx=256))
+    tls = TlsConfig.from_files(certs.cert("server"), certs.key("server"))
+    credentials = wire.ClientCredentials(tls=True, ca=certs.ca().read_bytes())
+
+    async def run():
+        server, port = await start_server(engine, ServerConfig(port=0, tls=tls))
+        try:
+            async with DelayProxy(DelayConfig("127.0.0.1", port, 0.002)) as proxy:
+                async with wire.channel(proxy.address, credentials) as channel:
+                    stats, committed, chunks = GenerationStats(), [], 0
+                    request = GenerationRequest(prompt, max_new_tokens=40, gamma=3, ignore_eos=True)
+                    async for _ in EdgeSession(channel, drafter).generate(request, stats, committed):
+                        chunks += 1
+                        if chunks == 3:
+                            proxy.corrupt()
+                    return committed, stats
+        finally:
+            await server.stop(None)
+
+    committed, stats = asyncio.run(run())
+    assert stats.resumes >= 1
+    assert committed == expected

@@ -78,6 +78,14 @@ _count = _bounded(int, 0, what="0 or more")
 _positive = _bounded(int, 1, what="1 or more")
 _seconds = _bounded(float, 0, what="0 or more seconds")
 _megabytes = _bounded(float, 0, what="0 or more MB")
+_share = _bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1: no per-client cap)")
+
+
+def _budget_mb(text: str) -> float | None:
+    """`auto` (None: sized from the memory available at start) or megabytes."""
+    return None if text == "auto" else _megabytes(text)
+
+
 _port = _bounded(int, 0, 65535, what="a port is 0 (any free one) to 65535")
 _temperature = _bounded(float, 0, what="0 (greedy) or more")
 _top_p = _bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1 keeps every token)")
@@ -144,9 +152,8 @@ def _add_target_numerics(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="the target's weights and compute (auto: the fastest dtype that is bit-exact on this "
-        "hardware, proven at load: bfloat16 where oneDNN has exact bfloat16 kernels and they are faster, "
-        "else float32; `draftwire doctor` shows what this machine can run)",
+        help="the target's weights and compute (auto: bfloat16 where the CPU computes it natively, else "
+        "float32, proven bit-exact at load; `draftwire doctor` shows what this machine can run)",
     )
     p.add_argument(
         "--no-bit-exact",
@@ -176,22 +183,36 @@ def _add_client_security(p: argparse.ArgumentParser) -> None:
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits, admission and drain (0: no limit)")
-    g.add_argument("--max-sessions", type=_count, default=0, help="sessions open at once")
+    g.add_argument("--max-sessions", type=_count, default=256, help="sessions open at once")
     g.add_argument(
         "--max-sessions-per-client", type=_count, default=0, help="sessions one client holds at once"
     )
     g.add_argument("--sessions-per-minute", type=_count, default=0, help="new sessions per client per minute")
     g.add_argument(
         "--kv-budget-mb",
-        type=_megabytes,
-        default=0,
-        help="KV memory open sessions may reserve (prompt + budget)",
+        type=_budget_mb,
+        default="auto",
+        help="KV memory open sessions reserve (prompt + max new tokens each) and kept caches fill; "
+        "auto: half the memory available at start",
+    )
+    g.add_argument(
+        "--client-kv-share",
+        type=_share,
+        default=0.5,
+        help="of the KV budget, the most one client (a token, a certificate or a connection) reserves",
     )
     g.add_argument(
         "--max-prefill-positions",
         type=_positive,
         default=256,
         help="prefill positions per engine batch; longer prefills run in chunks beside other rounds",
+    )
+    g.add_argument(
+        "--prefill-share",
+        type=_bounded(float, 0, what="0 (off) or more"),
+        default=0.5,
+        help="while other sessions are open, a batch's prefill takes at most this share of a round's "
+        "time (measured), so rounds are not stuck behind long prompts",
     )
     g.add_argument(
         "--max-stale-in-a-row", type=_count, default=64, help="stale proposals in a row that end a session"
@@ -216,7 +237,8 @@ def _limits(args):
         max_sessions=args.max_sessions,
         max_sessions_per_client=args.max_sessions_per_client,
         sessions_per_minute=args.sessions_per_minute,
-        kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * (1 << 20)),
+        client_kv_share=args.client_kv_share,
         max_stale_in_a_row=args.max_stale_in_a_row,
         max_stale_per_s=args.max_stale_per_s,
     )
@@ -711,6 +733,7 @@ def _serve(args) -> int:
             max_batch=args.max_batch,
             window_s=args.batch_window_ms / 1000,
             max_prefill_positions=args.max_prefill_positions,
+            prefill_share=args.prefill_share,
         ),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

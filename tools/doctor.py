@@ -117,8 +117,7 @@ def verifier_report(probe: bool, problems: list[str]) -> dict:
         problems.append("no dtype is bit-exact on this CPU: serve with --no-bit-exact (output may differ)")
     auto = None
     if exact:
-        auto = numerics.fastest_first(exact, shapes) if probe else numerics.plan("auto", hardware, True)
-        auto = auto[0]
+        auto = next(d for d in numerics.plan("auto", hardware, True) if d in exact)
     return {
         "installed": True,
         "torch": torch.__version__,

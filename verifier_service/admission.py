@@ -14,10 +14,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_sessions: int = 0  # sessions open at once on this verifier; 0: no cap
+    """On by default: at most 256 sessions, and a KV budget the server sizes from the memory it has
+    (None: half the memory available when it starts), of which one client may reserve at most half. A
+    client is its token's or certificate's name, else its connection (verifier_service/servicer.py)."""
+
+    max_sessions: int = 256  # sessions open at once on this verifier; 0: no cap
     max_sessions_per_client: int = 0  # sessions one client holds open at once; 0: no cap
     sessions_per_minute: int = 0  # new sessions one client may open in any 60 s; 0: no cap
-    kv_budget_bytes: int = 0  # KV memory the open sessions may reserve together; 0: no budget
+    # KV memory the open sessions may reserve, kept caches included; 0: no budget, None: sized at start
+    kv_budget_bytes: int | None = None
+    client_kv_share: float = 0.5  # of the KV budget, the most one client may reserve; 1: no cap
     retry_after_s: float = 1.0  # the hint when nothing better is known (a cap: someone must leave)
     # Stale proposals (answered without the target): a pipelined edge makes at most its depth stale per
     # rejection, a flood many more. More in a row than this ends the session; 0: no limit.
@@ -69,13 +75,21 @@ class _Held:
     kv_bytes: int
 
 
+def _mib(n: int) -> str:
+    return f"{math.ceil(n / (1 << 20))} MiB"
+
+
 class Admission:
-    """The open sessions, by client, and the KV memory they reserved."""
+    """The open sessions, by client, and the KV memory they reserved. The config's KV budget must be
+    resolved (an int) by the server."""
 
     def __init__(self, config: AdmissionConfig):
+        if config.kv_budget_bytes is None:
+            raise ValueError("the KV budget is sized by the server: give Admission a number of bytes")
         self.config = config
         self._held: dict[str, _Held] = {}  # session key -> what it holds
         self._per_client: collections.Counter[str] = collections.Counter()
+        self._client_kv: collections.Counter[str] = collections.Counter()
         self._rates: dict[str, Window] = {}  # client -> its recent opens; emptied windows are dropped
         self._next_sweep = 0.0
         self.kv_reserved = 0
@@ -97,11 +111,17 @@ class Admission:
                 c.retry_after_s,
             )
         if c.kv_budget_bytes and self.kv_reserved + kv_bytes > c.kv_budget_bytes:
-            mib = 1 << 20
             raise Refused(
-                f"the session would need {math.ceil(kv_bytes / mib)} MiB of KV cache; "
-                f"{(c.kv_budget_bytes - self.kv_reserved) // mib} MiB of the verifier's "
-                f"{c.kv_budget_bytes // mib} MiB budget is free",
+                f"the session would need {_mib(kv_bytes)} of KV cache; "
+                f"{(c.kv_budget_bytes - self.kv_reserved) >> 20} MiB of the verifier's "
+                f"{c.kv_budget_bytes >> 20} MiB budget is free",
+                c.retry_after_s,
+            )
+        share = int(c.kv_budget_bytes * c.client_kv_share)
+        if c.kv_budget_bytes and c.client_kv_share < 1 and self._client_kv[client] + kv_bytes > share:
+            raise Refused(
+                f"the session would need {_mib(kv_bytes)} of KV cache; client {client!r} holds "
+                f"{_mib(self._client_kv[client])} of the {share >> 20} MiB one client may reserve",
                 c.retry_after_s,
             )
         if c.sessions_per_minute:
@@ -114,6 +134,7 @@ class Admission:
                 )
         self._held[key] = _Held(client, kv_bytes)
         self._per_client[client] += 1
+        self._client_kv[client] += kv_bytes
         self.kv_reserved += kv_bytes
 
     def _sweep(self, now: float) -> None:
@@ -136,11 +157,12 @@ class Admission:
         if held is None:
             return
         self._per_client[held.client] -= 1
+        self._client_kv[held.client] -= held.kv_bytes
         if not self._per_client[held.client]:
-            del self._per_client[held.client]
+            del self._per_client[held.client], self._client_kv[held.client]
         self.kv_reserved -= held.kv_bytes
 
-
-def kv_estimate(committed: int, max_new_tokens: int, bytes_per_position: int) -> int:
-    """KV memory a session may come to hold: every committed position and every one it may generate."""
-    return (committed + max_new_tokens) * bytes_per_position
+    @property
+    def kv_room(self) -> int:
+        """Bytes of the KV budget no session reserved: what kept caches may hold (0 without a budget)."""
+        return max(0, (self.config.kv_budget_bytes or 0) - self.kv_reserved)

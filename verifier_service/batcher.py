@@ -8,6 +8,7 @@ no waiting. An optional window holds the first forward a little longer to gather
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -32,7 +33,12 @@ class Engine(Protocol):
 
     def release(self, key: str) -> None: ...
 
-    def adopt(self, key: str, token_ids: Sequence[int], owner: str = "") -> int: ...
+    def adopt(
+        self, key: str, token_ids: Sequence[int], owner: str = "", max_positions: int | None = None
+    ) -> int: ...
+
+
+ACTIVE_S = 1.0  # a session that sent a round this recently is playing rounds (Batcher.prefill_room)
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,12 @@ class BatchConfig:
     # Prefill positions one batch runs, all sessions together; a longer prefill runs in chunks over
     # the next batches, so that other sessions' rounds never wait behind it. 0: whole prefills.
     max_prefill_positions: int = 256
+    # While other sessions play rounds, a batch's prefill also takes at most this share of a round's time
+    # (by the prefill speed and round time measured on the last batches; at least min_prefill_positions
+    # so a prompt always advances): a round then waits at most about (1 + 2 × share) × its time alone,
+    # behind the chunk in flight and beside one in its own batch, however long the prompts. 0: off.
+    prefill_share: float = 0.5
+    min_prefill_positions: int = 1
 
 
 @dataclass
@@ -82,6 +94,9 @@ class Batcher:
         self._open: set[str] = set()  # sessions that may send a forward
         self._last_batch_s = 0.0
         self._last_end: float | None = None  # when the last batch ended (perf_counter)
+        self._round_s: float | None = None  # a batch's rounds' time, smoothed (None: none measured yet)
+        self._rounds_at: dict[str, float] = {}  # session -> when it last sent a round (event loop time)
+        self._prefill_rate: float | None = None  # prefill positions per second, smoothed
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -91,7 +106,10 @@ class Batcher:
 
     async def forward(self, forward: Forward) -> torch.Tensor | None:
         """The forward's logits, computed in some batch; raises what the engine raised."""
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if forward.wants_logits:
+            self._rounds_at[forward.key] = loop.time()
         self._pending.append((forward, future))
         self._kick()
         return await future
@@ -103,23 +121,27 @@ class Batcher:
     def release(self, key: str) -> None:
         """Frees a session's cache after every forward of it already queued."""
         self._open.discard(key)
+        self._rounds_at.pop(key, None)
         self._releases.append(key)
         self._kick()
 
-    async def adopt(self, key: str, token_ids: Sequence[int], owner: str = "") -> int:
-        """Starts session `key` of client `owner` from a kept cache of that client's that shares a prefix
-        with `token_ids` (engine.adopt); returns the positions it starts with. Releases queued before it
-        are carried out first, so a conversation's next turn finds the cache its last turn released."""
+    async def adopt(
+        self, key: str, token_ids: Sequence[int], owner: str = "", max_positions: int | None = None
+    ) -> int:
+        """Starts session `key` of client `owner`, with at most `max_positions` positions of cache, from
+        a kept cache of that client's that shares a prefix with `token_ids` (engine.adopt); returns the
+        positions it starts with. Releases queued before it are carried out first, so a conversation's
+        next turn finds the cache its last turn released."""
         pending = {f.key for f, _ in self._pending}
         early = [k for k in self._releases if k not in pending]
         self._releases = [k for k in self._releases if k in pending]
-        return await self.call(self._adopt, key, token_ids, early, owner)
+        return await self.call(self._adopt, key, token_ids, early, owner, max_positions)
 
-    def _adopt(self, key: str, token_ids: Sequence[int], releases: list[str], owner: str) -> int:
+    def _adopt(self, key, token_ids, releases: list[str], owner: str, max_positions: int | None) -> int:
         for k in releases:
             self.engine.release(k)
             self.stats.last.pop(k, None)
-        return self.engine.adopt(key, token_ids, owner)
+        return self.engine.adopt(key, token_ids, owner, max_positions)
 
     async def call(self, fn, *args):
         """Runs fn on the engine's thread, between batches."""
@@ -147,6 +169,11 @@ class Batcher:
                 await self._gather()
                 batch, self._pending = self._take_batch(self._pending)
                 releases, self._releases = self._releases, []
+                if not batch and not releases:  # prefill held back to ride with the next round
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), ACTIVE_S)
+                    continue
                 try:
                     results = await self.call(self._run_batch, [f for f, _, _ in batch], releases)
                 except Exception as e:  # the engine failed: every session in the batch hears it
@@ -177,7 +204,7 @@ class Batcher:
         positions: a longer prefill contributes its first positions (its future still pending, `whole`
         False) and its rest stays queued where it was. Rounds are never cut."""
         batch, keys, left = [], set(), []  # batch: (forward, future, whole)
-        room = self.config.max_prefill_positions or None
+        room, timed = self.prefill_room()
         for forward, future in pending:
             if future.done():
                 continue
@@ -200,6 +227,10 @@ class Batcher:
                 room -= positions
             batch.append((forward, future, True))
             keys.add(forward.key)
+        if timed and not any(f.wants_logits for f, _, _ in batch):
+            # While sessions play rounds, prefill rides with their rounds instead of taking passes of
+            # its own: a round arriving behind a prefill-only pass would wait for all of it.
+            return [], [(f, fut) for f, fut in pending if not fut.done()]
         return batch, left
 
     async def _gather(self) -> None:
@@ -216,14 +247,46 @@ class Batcher:
             except TimeoutError:
                 return
 
+    def _measure(self, forwards: list[Forward], seconds: float) -> None:
+        """Learns the rounds' time (from batches of rounds alone) and the prefill speed (from batches of
+        prefill alone, or the rest of a mixed batch's time once the rounds' is known)."""
+        positions = sum(len(f.token_ids) for f in forwards if not f.wants_logits)
+        if positions == 0:
+            self._round_s = _smooth(self._round_s, seconds)
+            return
+        mixed = any(f.wants_logits for f in forwards)
+        prefill_s = seconds - (self._round_s or seconds) if mixed else seconds
+        if positions >= self.config.min_prefill_positions and prefill_s > 0:
+            self._prefill_rate = _smooth(self._prefill_rate, positions / prefill_s)
+
+    def prefill_room(self) -> tuple[int | None, bool]:
+        """Prefill positions the next batch may run (None: no limit), and whether time bounds them:
+        max_prefill_positions, and while sessions play rounds (one in the last ACTIVE_S), what the
+        measured prefill speed does in prefill_share of a round's time. Idle sessions do not slow a
+        prefill down."""
+        c = self.config
+        room = c.max_prefill_positions or None
+        horizon = asyncio.get_running_loop().time() - ACTIVE_S
+        active = any(at > horizon for at in self._rounds_at.values())
+        if c.prefill_share and active and self._round_s and self._prefill_rate:
+            timed = max(c.min_prefill_positions, int(self._prefill_rate * c.prefill_share * self._round_s))
+            return (timed if room is None else min(room, timed)), True
+        return room, False
+
     def _run_batch(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
         results = []
         if forwards:
             start = time.perf_counter()
             results = self.engine.forward_many(forwards)
             self._last_batch_s = time.perf_counter() - start
+            self._measure(forwards, self._last_batch_s)
             self.stats.record([f.key for f in forwards], self._last_batch_s)
         for key in releases:
             self.engine.release(key)
             self.stats.last.pop(key, None)
         return results
+
+
+def _smooth(old: float | None, new: float, weight: float = 0.5) -> float:
+    """An exponential moving average's next value (the first measurement alone)."""
+    return new if old is None else (1 - weight) * old + weight * new

@@ -44,12 +44,20 @@ class Forward:
 
 class GrowingLayer:
     """One layer of one session's cache: keys and values that append in place into spare capacity,
-    doubling it when full (transformers' DynamicLayer concatenates, copying the whole cache each round)."""
+    doubling it when full (transformers' DynamicLayer concatenates, copying the whole cache each round).
 
-    def __init__(self):
+    With a `limit`, the capacity never passes it unless an append needs more: a session's cache stays
+    within the positions its admission reserved (verifier_service/admission.py)."""
+
+    def __init__(self, limit: int | None = None):
         self._keys: torch.Tensor | None = None  # [1, kv_heads, capacity, head_dim]
         self._values: torch.Tensor | None = None
         self.length = 0  # positions held
+        self.limit = limit  # most positions of capacity (None: doubling without bound)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[-2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Appends new positions; returns views of all held ones.  # each [1, kv_heads, length, head_dim]"""
@@ -65,9 +73,21 @@ class GrowingLayer:
         """Keeps the first `length` positions."""
         self.length = min(self.length, length)
 
+    def fit(self, limit: int) -> None:
+        """Sets the limit, and gives back the capacity past it (a kept cache taken by a session that
+        reserved fewer positions than the cache's earlier owner)."""
+        self.limit = limit
+        if self._keys is not None and self.capacity > max(limit, self.length):
+            self._resize(self._keys, max(limit, self.length))
+
     def _grow(self, like: torch.Tensor, needed: int) -> None:
-        old = 0 if self._keys is None else self._keys.shape[-2]
-        shape = (*like.shape[:-2], max(needed, 2 * old, 64), like.shape[-1])
+        target = max(2 * self.capacity, 64)
+        if self.limit is not None:
+            target = min(target, self.limit)
+        self._resize(like, max(needed, target))
+
+    def _resize(self, like: torch.Tensor, capacity: int) -> None:
+        shape = (*like.shape[:-2], capacity, like.shape[-1])
         keys, values = like.new_empty(shape), like.new_empty(shape)
         if self._keys is not None:
             keys[..., : self.length, :] = self._keys[..., : self.length, :]
@@ -211,6 +231,17 @@ class PrefixCache:
         self._kept: OrderedDict[int, tuple[_Cache, float]] = OrderedDict()  # oldest first
         self._ids = itertools.count()
         self.bytes = 0
+        # The memory kept caches may hold now beside the live sessions' (None: the config's budget
+        # alone): the server's KV budget less what admission reserved, so kept caches give way to
+        # sessions and never push the whole past the budget.
+        self.room: Callable[[], int | None] | None = None
+
+    @property
+    def limit(self) -> int:
+        """The bytes kept caches may hold now."""
+        budget = self.config.budget_bytes
+        room = None if self.room is None else self.room()
+        return budget if room is None else max(0, min(budget, room))
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -219,12 +250,17 @@ class PrefixCache:
         """Keeps a finished session's cache (if it fits the budget at all), dropping the least recently
         used ones to make room."""
         size = cache.nbytes
-        if not cache.tokens or size > self.config.budget_bytes:
+        if not cache.tokens or size > self.limit:
             return
         self._kept[next(self._ids)] = (cache, self.clock())
         self.bytes += size
         self._expire()
-        while self.bytes > self.config.budget_bytes:
+        self.fit()
+
+    def fit(self) -> None:
+        """Drops the least recently used kept caches until the rest fit `limit`."""
+        limit = self.limit
+        while self._kept and self.bytes > limit:
             self._drop(next(iter(self._kept)))
 
     def take(self, tokens: Sequence[int], owner: str = "") -> tuple[_Cache | None, int]:
@@ -302,11 +338,11 @@ class TargetEngine:
         invariant: bool = True,
         hardware: Hardware | None = None,
     ) -> TargetEngine:
-        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto": the fastest
-        dtype that is bit-exact on this hardware, verifier_service/numerics.py), in invariant mode unless
-        asked not to (`invariant=False` gives up bit-exactness against `reference`). In invariant mode
-        the dtype is proven at load: the kernels' check, then `check_invariance`; auto falls back to
-        the next dtype where that fails.
+        """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto": bfloat16
+        where the CPU computes it natively, else float32, verifier_service/numerics.py), in invariant
+        mode unless asked not to (`invariant=False` gives up bit-exactness against `reference`). In
+        invariant mode the dtype is proven at load: the kernels' check, then `check_invariance`; auto
+        falls back to the next dtype where that fails.
 
         Every engine is also checked against the model's own forward (`check_conformance`), in both
         modes.
@@ -320,9 +356,6 @@ class TargetEngine:
         hardware = hardware or Hardware.detect(device)
         dev = torch.device(device or hardware.device)
         candidates = numerics_.plan(dtype, hardware, invariant)
-        if invariant and len(candidates) > 1:
-            config = AutoConfig.from_pretrained(model_dir)
-            candidates = numerics_.fastest_first(candidates, numerics_.probe_shapes(config))
         refusal = families.refusal(AutoConfig.from_pretrained(model_dir).model_type)
         if refusal is not None:
             raise UnsupportedModel(refusal)
@@ -376,7 +409,7 @@ class TargetEngine:
             self._caches.pop(key, None)
             self.model.set_attn_implementation(ROWS_ATTENTION)
         error = families.relative_error(ours, own)
-        if error > families.TOLERANCE[self.numerics.dtype]:
+        if error > families.TOLERANCE.get(self.numerics.dtype, families.TOLERANCE["bfloat16"]):
             raise UnsupportedModel(
                 f"the verifier does not reproduce {model_type} models' own forward "
                 f"(logits off by {error:.1e} of their range in {self.numerics.dtype})"
@@ -424,28 +457,42 @@ class TargetEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * self._layers * heads * head_dim * self.model.dtype.itemsize
 
-    def keep_finished(self, config: PrefixCacheConfig) -> None:
-        """Keeps released sessions' caches for new sessions that extend them (see PrefixCache)."""
+    def keep_finished(self, config: PrefixCacheConfig, room: Callable[[], int | None] | None = None) -> None:
+        """Keeps released sessions' caches for new sessions that extend them (see PrefixCache), within
+        `room()` bytes beside the live sessions when it says a number (the KV budget's unreserved part)."""
         self.prefix_cache = PrefixCache(config)
+        self.prefix_cache.room = room
 
     @property
     def cache_bytes(self) -> int:
         """Memory held by KV caches: live sessions' and kept ones'."""
-        return sum(c.nbytes for c in self._caches.values()) + self.prefix_cache.bytes
+        return self.live_cache_bytes + self.prefix_cache.bytes
 
-    def adopt(self, key: str, token_ids: Sequence[int], owner: str = "") -> int:
+    def adopt(
+        self, key: str, token_ids: Sequence[int], owner: str = "", max_positions: int | None = None
+    ) -> int:
         """Starts new session `key` of client `owner` from that client's kept cache that shares the
         longest prefix with `token_ids` (the positions it will prefill); returns how many positions it
-        starts with (0: none kept). Raises ValueError when the key is live."""
+        starts with (0: none kept). The session's cache holds at most `max_positions` positions of
+        capacity (None: no limit), and the kept caches then give way to the reservations
+        (PrefixCache.room). Raises ValueError when the key is live."""
         if key in self._caches:
             raise ValueError(f"session {key} is live")
         cache, n = self.prefix_cache.take(token_ids, owner)
         if cache is None:
-            self._caches[key] = _Cache([GrowingLayer() for _ in range(self._layers)], owner=owner)
-            return 0
+            cache, n = _Cache([GrowingLayer() for _ in range(self._layers)], owner=owner), 0
         self._caches[key] = cache
         self._cut(key, n)
+        if max_positions is not None:
+            for layer in cache.layers:
+                layer.fit(max_positions)
+        self.prefix_cache.fit()
         return n
+
+    @property
+    def live_cache_bytes(self) -> int:
+        """Memory held by live sessions' KV caches, spare capacity included."""
+        return sum(c.nbytes for c in self._caches.values())
 
     def forward(
         self, key: str, keep: int, token_ids: list[int], wants_logits: bool = True
@@ -470,9 +517,12 @@ class TargetEngine:
         live = [(f, c) for f, c in zip(forwards, caches, strict=True) if f.token_ids]
         by_key = {}
         # Prefills run with prefills and rounds with rounds: a long prefill in a batch of rounds would
-        # pad every round to its length.
-        for wants_logits in (False, True):
-            group = [(f, c) for f, c in live if f.wants_logits == wants_logits]
+        # pad every round to its length. A prefill chunk no wider than the rounds rides with them, saving
+        # a pass over the weights (the batcher's time-bounded chunks, Batcher.prefill_room).
+        width = max((len(f.token_ids) for f, _ in live if f.wants_logits), default=0)
+        rides = {f.key for f, _ in live if not f.wants_logits and len(f.token_ids) <= width}
+        for with_rounds in (False, True):
+            group = [(f, c) for f, c in live if (f.wants_logits or f.key in rides) == with_rounds]
             if group:
                 by_key.update(zip((f.key for f, _ in group), self._run(group), strict=True))
         empty = torch.empty(0, self.info.vocabulary.size)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import inspect
 import logging
+import os
 import secrets
 import signal
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service import auth
-from verifier_service.admission import Admission, AdmissionConfig, Refused, Window, kv_estimate
+from verifier_service.admission import Admission, AdmissionConfig, Refused, Window
 from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import PrefixCacheConfig, TargetEngine
@@ -73,10 +75,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine = engine
         self.config = config
         self.stats = VerifierStats()
-        engine.keep_finished(config.prefix_cache)
         self.batcher = Batcher(engine, config.batch, GammaCap(config.limits.max_gamma, config.gamma_cap))
         self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
-        self.admission = Admission(config.admission)
+        self.admission = Admission(sized(config.admission))
+        # Kept caches live inside the KV budget too: they give way to the sessions' reservations.
+        budgeted = bool(self.admission.config.kv_budget_bytes)
+        engine.keep_finished(config.prefix_cache, lambda: self.admission.kv_room if budgeted else None)
         self.draining = False  # opens are refused with UNAVAILABLE (the edge resumes elsewhere)
         self.tokens: auth.TokenTable | None = None  # the token file, when the server has one (start_server)
         self.revoked_sessions = 0  # open sessions ended because their credentials no longer admit them
@@ -138,8 +142,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """
         # Not guessable; the session, its cache and what it leaves for a next turn belong to the caller.
         key = f"session-{secrets.token_urlsafe(12)}"
-        owner = cache_owner(auth.caller(), context)
-        client = client_name(context)  # whom the per-client caps count this session against
+        client = client_of(auth.caller(), context)  # its caps, its share, its kept caches
         session: VerifierSession | None = None
         # Ends the session within 2 × recheck_s when its token or certificate name is revoked.
         lifetime = Lifetime(self.config.lifetime, self.cut, auth.recheck())
@@ -161,9 +164,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         self.config.limits,
                         self.stats,
                         key,
-                        owner=owner,
+                        owner=client,
                         admit=lambda s: self.admission.admit(
-                            key, client, self._kv_bytes(s.spec), loop.time()
+                            key, client, s.max_positions * self._bytes_per_position, loop.time()
                         ),
                     )
                     opened = pb.SessionOpened(
@@ -266,13 +269,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 f"more than {per_second.limit} stale proposals in a second: the session is ended",
             )
 
-    def _kv_bytes(self, spec) -> int:
-        """What the session's KV cache may come to: its committed and generable positions (0 when the
-        engine does not say its bytes per position)."""
-        info = self.engine.info
-        committed = len(spec.prompt_token_ids) + len(spec.generated_token_ids)
-        budget = spec.max_new_tokens or max(info.max_context - len(spec.prompt_token_ids), 0)
-        return kv_estimate(committed, budget, getattr(self.engine, "bytes_per_position", 0))
+    @property
+    def _bytes_per_position(self) -> int:
+        """KV memory per cached position (0 for an engine that does not say: nothing is reserved)."""
+        return getattr(self.engine, "bytes_per_position", 0)
 
     async def drain(self, timeout_s: float, health_servicer=None) -> None:
         """Stops admitting (opens get UNAVAILABLE, health says NOT_SERVING), lets running sessions
@@ -295,23 +295,39 @@ RETRY_AFTER = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED open
 ANONYMOUS = "#connection "  # no listed client is named so: '#' starts a comment in a token file
 
 
-def cache_owner(identity: auth.Identity, context) -> str:
-    """Whose kept caches a session may start from, and to whom the cache it leaves belongs: its client.
+def client_of(identity: auth.Identity, context) -> str:
+    """Whom a session belongs to: the per-client caps and KV share count it against this client, it
+    starts only from this client's kept caches, and the cache it leaves is this client's.
+
     An anonymous caller (no token, no certificate) cannot be recognised on another connection, so its
-    connection (the peer's address and port) stands for it: a conversation's turns on one channel
-    reuse their caches, and no other connection takes them (reuse across connections needs an
-    identity; `reused_positions` tells an anonymous caller nothing of what others sent)."""
+    connection (the peer's address and port) stands for it:
+    - a conversation's turns on one channel reuse their caches, and no other connection takes them
+      (reuse across connections needs an identity; `reused_positions` tells an anonymous caller nothing
+      of what others sent);
+    - callers behind one NAT or on one host are not one client, so one of them cannot lock the others
+      out; a caller with many connections is held only by the server-wide caps: give clients tokens
+      when that matters."""
     return identity.name or ANONYMOUS + (context.peer() or "")
 
 
-def client_name(context) -> str:
-    """Whom per-client caps count a call against: the identity the auth interceptor admitted, else the
-    peer's address without its port."""
-    name = auth.caller().name
-    if name:
-        return name
-    peer = context.peer() or ""
-    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+def sized(config: AdmissionConfig) -> AdmissionConfig:
+    """The config with its KV budget resolved: None becomes half the memory available now (the target
+    loaded), so that sessions are refused before the kernel's out-of-memory killer picks the server."""
+    if config.kv_budget_bytes is not None:
+        return config
+    return dataclasses.replace(config, kv_budget_bytes=available_memory() // 2)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (MemAvailable; all of it where /proc cannot say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class VerifierServer:

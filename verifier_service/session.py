@@ -125,6 +125,13 @@ class VerifierSession:
             )
         if not spec.prompt_token_ids:
             raise InvalidRequest("the prompt is empty: send at least one token id")
+        # Lengths first: an oversized open is refused before anything looks at its ids.
+        prompt_length = len(spec.prompt_token_ids)
+        if spec.max_new_tokens > info.max_context - prompt_length:
+            raise InvalidRequest(
+                f"prompt ({prompt_length} tokens) plus max_new_tokens ({spec.max_new_tokens}) "
+                f"exceeds the target's context of {info.max_context}"
+            )
         self._check_ids(spec.prompt_token_ids, "prompt")
         self._check_ids(spec.generated_token_ids, "generated")
         if len(spec.stop_token_ids) > limits.max_stop_token_ids:
@@ -135,12 +142,6 @@ class VerifierSession:
             spec.sampling.validate()
         except InvalidSampling as e:
             raise InvalidRequest(str(e)) from None
-        prompt_length = len(spec.prompt_token_ids)
-        if spec.max_new_tokens > info.max_context - prompt_length:
-            raise InvalidRequest(
-                f"prompt ({prompt_length} tokens) plus max_new_tokens ({spec.max_new_tokens}) "
-                f"exceeds the target's context of {info.max_context}"
-            )
         self.max_new_tokens = generation_budget(spec.max_new_tokens, info.max_context, prompt_length)
         if len(spec.generated_token_ids) >= self.max_new_tokens:
             raise InvalidRequest(
@@ -153,6 +154,13 @@ class VerifierSession:
         self.finish: Finish | None = None
         self.target_positions = 0  # positions the target computed for this session
         self.reused_positions = 0  # prefill positions taken from a kept cache
+
+    @property
+    def max_positions(self) -> int:
+        """The most positions the session's cache can come to hold: the prompt and every token it may
+        generate (a round's draft is cut at the budget, `begin`). Its cache never grows past this
+        (engine.adopt), so admission reserves exactly this much memory."""
+        return len(self.spec.prompt_token_ids) + self.max_new_tokens
 
     @classmethod
     async def open(cls, batcher: Batcher, spec: SessionSpec, *args, admit=None, **kwargs) -> VerifierSession:
@@ -171,7 +179,9 @@ class VerifierSession:
         batcher.join(session.key)
         try:
             prefix = session.committed[:-1]
-            session.reused_positions = await batcher.adopt(session.key, prefix, session.owner)
+            session.reused_positions = await batcher.adopt(
+                session.key, prefix, session.owner, session.max_positions
+            )
             session.target_positions = len(prefix) - session.reused_positions
             session.stats.prefill_positions += session.target_positions
             session.stats.reused_positions += session.reused_positions
@@ -314,6 +324,8 @@ class VerifierSession:
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         size = self.batcher.info.vocabulary.size
+        if not ids or (min(ids) >= 0 and max(ids) < size):  # in C: the common case costs no loop
+            return
         bad = next((t for t in ids if not 0 <= t < size), None)
         if bad is not None:
             raise InvalidRequest(f"{what} token id {bad} outside the vocabulary [0, {size})")

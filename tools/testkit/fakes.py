@@ -80,7 +80,7 @@ class FakeEngine:
         self.cache_bytes = 0
         self.active_sessions = 0
 
-    def keep_finished(self, config) -> None:
+    def keep_finished(self, config, room=None) -> None:
         """The servicer's prefix-cache setting; the fake keeps no caches."""
 
     def forward_many(self, forwards):
@@ -110,7 +110,7 @@ class FakeEngine:
         if self.held.pop(key, None) is not None:
             self.released.append(key)
 
-    def adopt(self, key: str, token_ids, owner: str = "") -> int:
+    def adopt(self, key: str, token_ids, owner: str = "", max_positions: int | None = None) -> int:
         return 0  # keeps no finished session
 
 

@@ -3,7 +3,8 @@
 Every chunk read from one side is written to the other side half an RTT later, in order, so latency
 is added without capping bandwidth. `drop()` cuts every open connection, to emulate a network loss;
 `stall()` holds every byte (both directions, connections stay open) until `resume()`, to emulate a
-network that stops delivering without saying so.
+network that stops delivering without saying so; `corrupt()` flips one bit of the next chunk toward the
+client, as a broken link or middlebox would (TLS then fails its record's check).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class DelayProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._flowing = asyncio.Event()  # cleared while stalled
         self._flowing.set()
+        self._corrupt_next = False
 
     @property
     def address(self) -> str:
@@ -68,6 +70,10 @@ class DelayProxy:
         """Delivers what was held, in order, and flows again."""
         self._flowing.set()
 
+    def corrupt(self) -> None:
+        """Flips a bit in the middle of the next chunk sent toward the client."""
+        self._corrupt_next = True
+
     async def _serve(self, client_reader, client_writer) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(
@@ -103,6 +109,10 @@ class DelayProxy:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 await self._flowing.wait()
+                if direction == "down" and self._corrupt_next and data:
+                    self._corrupt_next = False
+                    middle = len(data) // 2
+                    data = data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1 :]
                 writer.write(data)
                 await writer.drain()
 
