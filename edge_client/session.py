@@ -197,7 +197,7 @@ class EdgeSession:
                 await self._raise_open_refusal(request, generated, stats)
                 # The verifier accepts this open: the status was the transport failing (a dropped
                 # connection, a killed verifier, bytes corrupted in flight), which a resume can cure.
-                error = VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
+                error = _stream_broke(error)
             raise error from None
         finally:
             inbox.close()
@@ -252,9 +252,7 @@ class EdgeSession:
             await call.read()
         except grpc.aio.AioRpcError as e:
             error = VerifierError(e.code(), e.details() or "")
-            if _broken_transport(error):  # the connection is still the broken one: resume
-                error = VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
-            raise error from None
+            raise (_stream_broke(error) if _broken_transport(error) else error) from None
         finally:
             call.cancel()
 
@@ -299,6 +297,11 @@ _CORE_INTERNAL = "Internal error from Core"
 # And when the connection's bytes go bad (TLS fails a record's check: TSI_DATA_CORRUPTED) or it is torn
 # down under a stream; the verifier never answers UNKNOWN itself.
 _STREAM_REMOVED = "Stream removed"
+
+
+def _stream_broke(error: VerifierError) -> VerifierError:
+    """A transport failure as the UNAVAILABLE the edge resumes after."""
+    return VerifierError(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {error}")
 
 
 def _broken_transport(error: VerifierError) -> bool:

@@ -61,18 +61,17 @@ def _cache(tokens: list[int]) -> _Cache:
 def test_kept_caches_give_way_to_the_room_the_reservations_leave():
     one = _cache([1] * 64).nbytes
     room = [3 * one]
-    kept = PrefixCache(PrefixCacheConfig(budget_bytes=10 * one))
-    kept.room = lambda: room[0]
+    kept = PrefixCache(PrefixCacheConfig(budget_bytes=10 * one), room=lambda: room[0])
     for first in (1, 2, 3, 4):
         kept.put(_cache([first] * 64))
     assert len(kept) == 3 and kept.bytes == 3 * one  # the room, not the kept caches' own budget
     room[0] = one  # sessions reserved more of the budget
     kept.fit()
     assert len(kept) == 1 and kept.take([4] * 64)[1] == 64  # the most recent one stays
-    room[0] = None  # no KV budget: the kept caches' own budget alone
+    unbudgeted = PrefixCache(PrefixCacheConfig(budget_bytes=10 * one))  # the kept caches' own budget
     for first in range(12):
-        kept.put(_cache([first] * 64))
-    assert len(kept) == 10
+        unbudgeted.put(_cache([first] * 64))
+    assert len(unbudgeted) == 10
 
 
 def test_the_default_budget_is_half_the_memory_available():

@@ -226,22 +226,25 @@ class PrefixCache:
     Taking moves the cache to the new session; it comes back, extended, when that session ends.
     """
 
-    def __init__(self, config: PrefixCacheConfig, clock: Callable[[], float] = time.monotonic):
-        self.config, self.clock = config, clock
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+        room: Callable[[], int] | None = None,
+    ):
+        """`room()`: the memory kept caches may hold now beside the live sessions' (None: the config's
+        budget alone), the server's KV budget less what admission reserved, so that kept caches give
+        way to sessions and never push the whole past the budget."""
+        self.config, self.clock, self.room = config, clock, room
         self._kept: OrderedDict[int, tuple[_Cache, float]] = OrderedDict()  # oldest first
         self._ids = itertools.count()
         self.bytes = 0
-        # The memory kept caches may hold now beside the live sessions' (None: the config's budget
-        # alone): the server's KV budget less what admission reserved, so kept caches give way to
-        # sessions and never push the whole past the budget.
-        self.room: Callable[[], int | None] | None = None
 
     @property
     def limit(self) -> int:
         """The bytes kept caches may hold now."""
         budget = self.config.budget_bytes
-        room = None if self.room is None else self.room()
-        return budget if room is None else max(0, min(budget, room))
+        return budget if self.room is None else max(0, min(budget, self.room()))
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -457,11 +460,10 @@ class TargetEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * self._layers * heads * head_dim * self.model.dtype.itemsize
 
-    def keep_finished(self, config: PrefixCacheConfig, room: Callable[[], int | None] | None = None) -> None:
+    def keep_finished(self, config: PrefixCacheConfig, room: Callable[[], int] | None = None) -> None:
         """Keeps released sessions' caches for new sessions that extend them (see PrefixCache), within
-        `room()` bytes beside the live sessions when it says a number (the KV budget's unreserved part)."""
-        self.prefix_cache = PrefixCache(config)
-        self.prefix_cache.room = room
+        `room()` bytes beside the live sessions when given (the KV budget's unreserved part)."""
+        self.prefix_cache = PrefixCache(config, room=room)
 
     @property
     def cache_bytes(self) -> int:

@@ -79,8 +79,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.refusals: collections.Counter[str] = collections.Counter()  # sessions ended by a status
         self.admission = Admission(sized(config.admission))
         # Kept caches live inside the KV budget too: they give way to the sessions' reservations.
-        budgeted = bool(self.admission.config.kv_budget_bytes)
-        engine.keep_finished(config.prefix_cache, lambda: self.admission.kv_room if budgeted else None)
+        room = (lambda: self.admission.kv_room) if self.admission.config.kv_budget_bytes else None
+        engine.keep_finished(config.prefix_cache, room)
         self.draining = False  # opens are refused with UNAVAILABLE (the edge resumes elsewhere)
         self.tokens: auth.TokenTable | None = None  # the token file, when the server has one (start_server)
         self.revoked_sessions = 0  # open sessions ended because their credentials no longer admit them
