@@ -54,9 +54,13 @@ def test_capacity_benchmark_figures_agree(tmp_path):
     assert len(report["ngram_by_prompt"]) == len(report["references"]) == len(config.prompts)
     for n in (1, 2):
         a, b, c = (next(r for r in rows if r["sessions"] == n and r["arm"] == arm) for arm in "abc")
-        assert a["session_forwards_per_token"] > c["session_forwards_per_token"]
+        # Rounds, not session forwards: a prompt's prefill is cut into as many chunks as the round time
+        # measured while other sessions play leaves room for, so the forwards per token vary from run to
+        # run (a fresh-clone CI run counted 1.08 for the target alone and 1.38 for prompt lookup).
+        assert a["tokens_per_round"] == 1.0  # the target alone: one token per round
+        assert c["tokens_per_round"] > a["tokens_per_round"]
         # Prompt lookup drafts only after a 4-token match: on 12 tokens of the demo pair it may never.
-        assert a["session_forwards_per_token"] >= b["session_forwards_per_token"]
+        assert b["tokens_per_round"] >= a["tokens_per_round"]
         assert a["upload_bytes_per_token"] < c["upload_bytes_per_token"]  # thin: the open alone goes up
     assert (
         report["ratios"]["c/replayed/N2"] == rows[6]["served_tokens_per_s"] / rows[4]["served_tokens_per_s"]
