@@ -32,10 +32,29 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest most-likely set whose probability reaches top_p; (0, 1]
     seed: int = 0  # key of the sampling noise, an unsigned 64-bit integer
+    # Adjustments to the logits before all of the above, each at a position over the tokens committed
+    # before it (draftwire.rules.adjusted_logits), in this order:
+    logit_bias: tuple[
+        tuple[int, float], ...
+    ] = ()  # (token id, added to its logit in [-100, 100]); distinct ids
+    repetition_penalty: float = 1.0  # transformers/CTRL: a logit of a token in the prompt or generated
+    # is divided by it when positive, multiplied by it when negative; (0, 10], 1 is off
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count among generated ones; [-2, 2]
+    presence_penalty: float = 0.0  # OpenAI: minus this when the token was generated before; [-2, 2]
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty makes a position's logits depend on the tokens before it."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits are changed before temperature, top-k and top-p."""
+        return self.penalized or bool(self.logit_bias)
 
     def validate(self) -> SamplingParams:
         """Returns self; raises InvalidSampling naming the first field out of its domain."""
@@ -47,7 +66,34 @@ class SamplingParams:
             raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**64:
             raise InvalidSampling(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidSampling(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
+            raise InvalidSampling(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidSampling(f"logit_bias has {len(self.logit_bias)} entries: at most {MAX_LOGIT_BIAS}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidSampling("logit_bias names a token id twice")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidSampling(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
         return self
+
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target's distribution at its position, after the
+    session's logit bias, penalties, temperature, top-k and top-p (greedy: after bias and penalties, at
+    temperature 1); and, when asked for, the most likely tokens there with theirs. float32 values."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first, lower id on ties
 
 
 class Drafting(Enum):
@@ -77,6 +123,7 @@ class SessionSpec:
     vocab_size: int = 0  # the edge's vocabulary size, for the error message
     drafting: Drafting = Drafting.EDGE  # who drafts
     numerics: str = ""  # the Numerics.identity the session must be verified with (a resume); "" any
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's, and the k most likely (k <= 20)
 
     @property
     def thin(self) -> bool:
@@ -106,6 +153,7 @@ class Verdict:
     batch_size: int = 0  # sessions that shared that forward pass (0 when stale)
     server_draft_token_ids: tuple[int, ...] = ()  # a thin session's server drafts this round
     gamma_cap: int = 0  # the most draft tokens the verifier asks for now (0: it names none)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token, when the session asks for them
 
     @property
     def thin_committed(self) -> tuple[int, ...]:

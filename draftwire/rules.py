@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from draftwire.contract import Finish, SamplingParams
+from draftwire.contract import Finish, SamplingParams, TokenLogprob
 
 
 def keyed_uniform(seed: int, position: int, vocab_size: int) -> np.ndarray:
@@ -35,6 +35,81 @@ def keyed_gumbel(seed: int, first_position: int, count: int, vocab_size: int) ->
     u = np.stack([keyed_uniform(seed, first_position + i, vocab_size) for i in range(count)])
     with np.errstate(divide="ignore"):
         return -np.log(-np.log(u))
+
+
+def adjusted_logits(
+    logits: np.ndarray,
+    params: SamplingParams,
+    context: Sequence[int],
+    prompt_length: int,
+    draft: Sequence[int] = (),
+) -> np.ndarray:
+    """The logits after the session's logit bias and penalties, each row over the tokens before it.
+
+    logits  # [n, vocab]: row i predicts the token after context + draft[:i]; returns [n, vocab]
+    context: the committed tokens, the prompt's `prompt_length` first. In this order: logit_bias is
+    added; a token seen in the prompt or after it has its logit divided by repetition_penalty when
+    positive, multiplied when negative (transformers' RepetitionPenaltyLogitsProcessor); a token
+    generated c times before the position loses frequency_penalty * c + presence_penalty * (c > 0)
+    (OpenAI's formula, over generated tokens only). A draft token counts as generated at the rows after
+    it: acceptance commits exactly the draft tokens before a row. Without adjustments the logits come
+    back as they are; otherwise float64, a pure function of (logits, params, history), so the verifier
+    and a reference decode adjust a position alike whatever else its forward verified.
+    """
+    logits = np.asarray(logits)
+    if not params.adjusted:
+        return logits
+    scores = np.array(logits, dtype=np.float64)
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        scores[:, list(ids)] += np.asarray(biases, dtype=np.float64)
+    if not params.penalized:
+        return scores
+    vocab = scores.shape[-1]
+    seen = np.zeros(vocab, dtype=bool)
+    seen[np.asarray(context, dtype=np.int64)] = True
+    counts = np.bincount(np.asarray(context[prompt_length:], dtype=np.int64), minlength=vocab).astype(
+        np.float64
+    )
+    for i, row in enumerate(scores):
+        if i:
+            seen[draft[i - 1]] = True
+            counts[draft[i - 1]] += 1.0
+        if params.repetition_penalty != 1.0:
+            r = row[seen]
+            row[seen] = np.where(r < 0, r * params.repetition_penalty, r / params.repetition_penalty)
+        if params.frequency_penalty or params.presence_penalty:
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return scores
+
+
+def token_logprobs(
+    scores: np.ndarray, token_ids: Sequence[int], params: SamplingParams, top: int
+) -> list[TokenLogprob]:
+    """Each chosen token's log-probability, and the `top` most likely tokens', at consecutive positions.
+
+    scores  # [n, vocab]: adjusted logits (adjusted_logits), row i the position of token_ids[i]
+    The distribution is the one the token was drawn from: softmax of the filtered logits (temperature,
+    top-k, top-p; filtered-out tokens have -inf), or greedy, softmax of the adjusted logits at
+    temperature 1. Computed in float64, rounded to float32 (the wire's width).
+    """
+    scaled = np.asarray(scores, dtype=np.float64)
+    if not params.greedy:
+        scaled = filtered_logits(scaled, params)
+    peak = scaled.max(axis=-1, keepdims=True)
+    logprobs = scaled - (peak + np.log(np.exp(scaled - peak).sum(axis=-1, keepdims=True)))
+    out = []
+    vocab = logprobs.shape[-1]
+    for row, token in zip(logprobs, token_ids, strict=True):
+        best: tuple[tuple[int, float], ...] = ()
+        if top:
+            k = min(top, vocab)
+            floor = np.partition(row, vocab - k)[vocab - k]  # the k-th largest
+            candidates = np.flatnonzero(row >= floor)
+            order = np.lexsort((candidates, -row[candidates]))[:k]  # most likely first, lower id on ties
+            best = tuple((int(t), float(np.float32(row[t]))) for t in candidates[order])
+        out.append(TokenLogprob(float(np.float32(row[token])), best))
+    return out
 
 
 def filtered_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -20,6 +20,7 @@ from draftwire.contract import (
     SamplingParams,
     SessionSpec,
     TargetInfo,
+    TokenLogprob,
     Verdict,
 )
 from draftwire.v1 import draftwire_pb2 as pb
@@ -133,12 +134,28 @@ def explain(code: grpc.StatusCode, details: str, credentials: ClientCredentials)
 
 
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return pb.SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+        logit_bias=dict(s.logit_bias),
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty != 1.0 else None,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+    )
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0, seed=s.seed
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        seed=s.seed,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
     )
 
 
@@ -154,6 +171,7 @@ def spec_to_proto(spec: SessionSpec) -> pb.OpenSession:
         generated_token_ids=spec.generated_token_ids,
         drafting=_DRAFTING[spec.drafting],
         numerics=spec.numerics,
+        top_logprobs=spec.top_logprobs,
     )
 
 
@@ -169,6 +187,7 @@ def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
         vocab_size=m.vocab_size,
         drafting=_DRAFTING_BACK.get(m.drafting, Drafting.EDGE),
         numerics=m.numerics,
+        top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
     )
 
 
@@ -199,6 +218,12 @@ def verdict_to_proto(v: Verdict) -> pb.Verdict:
         batch_size=v.batch_size,
         server_draft_token_ids=v.server_draft_token_ids,
         gamma_cap=v.gamma_cap,
+        logprobs=[
+            pb.TokenLogprob(
+                logprob=t.logprob, top_token_ids=[i for i, _ in t.top], top_logprobs=[p for _, p in t.top]
+            )
+            for t in v.logprobs
+        ],
     )
 
 
@@ -216,6 +241,10 @@ def verdict_from_proto(v: pb.Verdict) -> Verdict:
         batch_size=v.batch_size,
         server_draft_token_ids=tuple(v.server_draft_token_ids),
         gamma_cap=v.gamma_cap,
+        logprobs=tuple(
+            TokenLogprob(t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs, strict=False)))
+            for t in v.logprobs
+        ),
     )
 
 

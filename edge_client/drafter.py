@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from draftwire.contract import SamplingParams
-from draftwire.rules import choose_tokens
+from draftwire.rules import adjusted_logits, choose_tokens
 from draftwire.vocab import Vocabulary, vocabulary_from_llama
 from edge_client.llama_runtime import Llama
 
@@ -78,16 +78,20 @@ class LlamaDrafter(VocabOnly):
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
+        prompt_length: int = 0,
     ) -> list[int]:
         """Drafts up to `gamma` tokens after `sequence` (the committed tokens, then any the edge assumes
-        will be), choosing each with the verifier's rule and keyed noise; stops early after a stop
-        token, since nothing after one can be committed."""
+        will be; the prompt its `prompt_length` first), choosing each with the verifier's rules (the
+        session's logit bias and penalties over the tokens before it, then its choice with keyed noise),
+        so that it proposes what the target would choose; stops early after a stop token, since nothing
+        after one can be committed."""
         if not sequence:
             raise ValueError("cannot draft from an empty sequence")
         self._sync(sequence)
         draft: list[int] = []
         for i in range(gamma):
-            token = int(choose_tokens(self._last_logits()[None], len(sequence) + i, params)[0])
+            scores = adjusted_logits(self._last_logits()[None], params, [*sequence, *draft], prompt_length)
+            token = int(choose_tokens(scores, len(sequence) + i, params)[0])
             draft.append(token)
             if i == gamma - 1 or token in stop_token_ids:
                 break

@@ -38,6 +38,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     pipeline: int | None = 0  # proposals sent ahead of their verdicts; 0 waits for each; None: chosen online
     drafting: Drafting = Drafting.EDGE  # NONE or NGRAM: a thin session, the verifier decodes it
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's and the k most likely (k <= 20)
 
     @property
     def adaptive(self) -> bool:
@@ -60,6 +61,7 @@ class GenerationRequest:
             vocab_size=vocab_size,
             drafting=self.drafting,
             numerics=numerics,
+            top_logprobs=self.top_logprobs,
         )
 
 
@@ -247,6 +249,7 @@ class Planner:
             self.stats.stale_rounds += 1
             return []
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
+        check_logprobs(verdict, len(new), self.request.top_logprobs)
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
         self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
         if arrived is not None and sent.sent_s is not None:
@@ -277,6 +280,16 @@ class Planner:
         left = self.budget - (length - self._prompt_length)
         # The last round may propose more than the budget leaves: the verifier drops the excess.
         return max(1, min(chosen, left - 1, self.max_gamma)) if left > 0 else 0
+
+
+def check_logprobs(verdict: Verdict, committed: int, top_logprobs: int | None) -> None:
+    """Raises BadVerdict unless the verdict carries what the session asked for: no logprobs, or one per
+    token it commits with at most `top_logprobs` alternatives each."""
+    wanted = committed if top_logprobs is not None else 0
+    if len(verdict.logprobs) != wanted:
+        raise BadVerdict(f"round {verdict.round}: {len(verdict.logprobs)} logprobs for {wanted} tokens")
+    if any(len(t.top) > (top_logprobs or 0) for t in verdict.logprobs):
+        raise BadVerdict(f"round {verdict.round}: more than {top_logprobs} top logprobs")
 
 
 def check_verdict(verdict: Verdict, sent: InFlight, committed: Sequence[int], vocab_size: int) -> None:

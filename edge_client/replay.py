@@ -29,6 +29,7 @@ class ReplayDrafter:
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
+        prompt_length: int = 0,
     ) -> list[int]:
         """The script's next gamma tokens after `sequence` (the script is trusted to match it)."""
         start = len(sequence)

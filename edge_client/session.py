@@ -19,12 +19,19 @@ from typing import Protocol
 import grpc
 
 from draftwire import wire
-from draftwire.contract import ModelInfo, SamplingParams, Verdict
+from draftwire.contract import ModelInfo, SamplingParams, TokenLogprob, Verdict
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
 from edge_client.adaptive import Tuner
-from edge_client.planner import BadVerdict, DraftJob, GenerationRequest, GenerationStats, Planner
+from edge_client.planner import (
+    BadVerdict,
+    DraftJob,
+    GenerationRequest,
+    GenerationStats,
+    Planner,
+    check_logprobs,
+)
 
 __all__ = ["Drafter", "EdgeSession", "GenerationRequest", "GenerationStats", "Timeouts", "VerifierError"]
 
@@ -41,6 +48,7 @@ class Drafter(Protocol):
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
+        prompt_length: int = 0,
     ) -> list[int]: ...
 
 
@@ -100,9 +108,11 @@ class EdgeSession:
         request: GenerationRequest,
         stats: GenerationStats | None = None,
         generated: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> AsyncIterator[list[int]]:
         """Yields the tokens each round commits. `generated` (if given) receives every generated
-        token as it is committed, and is where a resume starts from.
+        token as it is committed, and is where a resume starts from; `logprobs` (if given, with
+        request.top_logprobs set) receives theirs, as the target computed them.
 
         A stream that breaks with UNAVAILABLE (a verifier or replica went away, a draining one, or
         one that sent no verdict within timeouts.verdict_s) is re-opened with the committed tokens,
@@ -113,6 +123,7 @@ class EdgeSession:
         """
         stats = stats if stats is not None else GenerationStats()
         generated = generated if generated is not None else []
+        logprobs = logprobs if logprobs is not None else []
         start = stats.started_at = time.perf_counter()
         streak, since, progress = 0, 0.0, len(generated)  # re-opens without progress, since when
         try:
@@ -120,7 +131,7 @@ class EdgeSession:
                 try:
                     # Closed at once when the caller stops reading: the stream is cancelled on the verifier.
                     stream = (self._thin_stream if request.spec().thin else self._stream)(
-                        request, stats, generated
+                        request, stats, generated, logprobs
                     )
                     async with contextlib.aclosing(stream) as stream:
                         async for new in stream:
@@ -145,15 +156,18 @@ class EdgeSession:
         finally:
             stats.wall_s = time.perf_counter() - start
 
-    async def run(self, request: GenerationRequest) -> tuple[list[int], GenerationStats]:
-        """Generates to the end; returns the generated ids and the figures. Raises VerifierError."""
+    async def run(
+        self, request: GenerationRequest, logprobs: list[TokenLogprob] | None = None
+    ) -> tuple[list[int], GenerationStats]:
+        """Generates to the end; returns the generated ids and the figures (`logprobs`, when given,
+        receives the ids' log-probabilities). Raises VerifierError."""
         stats, generated = GenerationStats(), []
-        async for _ in self.generate(request, stats, generated):
+        async for _ in self.generate(request, stats, generated, logprobs):
             pass
         return generated, stats
 
     async def _stream(
-        self, request: GenerationRequest, stats: GenerationStats, generated: list[int]
+        self, request: GenerationRequest, stats: GenerationStats, generated: list[int], logprobs: list
     ) -> AsyncIterator[list[int]]:
         """One Session stream, from open to finish: the edge's round loop."""
         plan = Planner(request, await self.model_info(), generated, stats, self.tuner)
@@ -172,7 +186,7 @@ class EdgeSession:
                     # ...else draft the next proposal, if the pipeline has room for one...
                     if (job := plan.next_draft()) is not None:
                         drafted_s = stats.draft_s
-                        tokens = await self._draft(job, request.sampling, plan.stops, stats)
+                        tokens = await self._draft(job, request, plan.stops, stats)
                         plan.add_draft(job, tokens, stats.draft_s - drafted_s)
                         continue
                     # ...else wait for the oldest proposal's verdict.
@@ -187,6 +201,7 @@ class EdgeSession:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at
                     generated += new
+                    logprobs += verdict.logprobs
                     yield new
             await call.done_writing()
         except BadVerdict as e:
@@ -204,7 +219,7 @@ class EdgeSession:
             call.cancel()
 
     async def _thin_stream(
-        self, request: GenerationRequest, stats: GenerationStats, generated: list[int]
+        self, request: GenerationRequest, stats: GenerationStats, generated: list[int], logprobs: list
     ) -> AsyncIterator[list[int]]:
         """One thin Session stream: the open, then the verdicts of the rounds the verifier plays itself."""
         await self.model_info()
@@ -216,7 +231,7 @@ class EdgeSession:
             finish = None
             while finish is None:
                 verdict = await inbox.get(self.timeouts.verdict_s)
-                if bad := _bad_thin_verdict(verdict, self._info.target.vocabulary.size):
+                if bad := _bad_thin_verdict(verdict, self._info.target.vocabulary.size, request.top_logprobs):
                     raise VerifierError(grpc.StatusCode.INTERNAL, f"bad verdict from the verifier: {bad}")
                 new = list(verdict.thin_committed)
                 stats.rounds += 1
@@ -231,6 +246,7 @@ class EdgeSession:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at
                     generated += new
+                    logprobs += verdict.logprobs
                     yield new
         except grpc.aio.AioRpcError as e:
             raise VerifierError(e.code(), e.details() or "") from None
@@ -257,15 +273,16 @@ class EdgeSession:
             call.cancel()
 
     async def _draft(
-        self, job: DraftJob, params: SamplingParams, stops: Collection[int], stats: GenerationStats
+        self, job: DraftJob, request: GenerationRequest, stops: Collection[int], stats: GenerationStats
     ) -> list[int]:
+        params = request.sampling
         start = time.perf_counter()
         try:
-            executor = self.drafter.executor
+            executor, prompt_length = self.drafter.executor, len(request.prompt_token_ids)
             if executor is None:
-                return self.drafter.propose(job.base, job.gamma, params, stops)
+                return self.drafter.propose(job.base, job.gamma, params, stops, prompt_length)
             return await asyncio.get_running_loop().run_in_executor(
-                executor, self.drafter.propose, job.base, job.gamma, params, stops
+                executor, self.drafter.propose, job.base, job.gamma, params, stops, prompt_length
             )
         finally:
             stats.draft_s += time.perf_counter() - start
@@ -311,13 +328,18 @@ def _broken_transport(error: VerifierError) -> bool:
     )
 
 
-def _bad_thin_verdict(verdict: Verdict, vocab_size: int) -> str | None:
-    """What is wrong with a thin session's verdict (ids outside the vocabulary, no progress), or None."""
+def _bad_thin_verdict(verdict: Verdict, vocab_size: int, top_logprobs: int | None) -> str | None:
+    """What is wrong with a thin session's verdict (ids outside the vocabulary, no progress, logprobs
+    not as asked), or None."""
     ids = verdict.thin_committed
     if any(not 0 <= t < vocab_size for t in ids) or verdict.accepted > len(verdict.server_draft_token_ids):
         return f"round {verdict.round}: ids outside the vocabulary of {vocab_size}"
     if not ids and verdict.finish is None:
         return f"round {verdict.round} commits nothing and does not finish"
+    try:
+        check_logprobs(verdict, len(ids), top_logprobs)
+    except BadVerdict as e:
+        return str(e)
     return None
 
 

@@ -32,9 +32,12 @@ def info(server) -> pb.ModelInfo:
         return pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
 
 
-def open_msg(info, prompt=PROMPT, max_new=16, fingerprint=None, **sampling) -> pb.EdgeMessage:
+def open_msg(
+    info, prompt=PROMPT, max_new=16, fingerprint=None, top_logprobs=None, **sampling
+) -> pb.EdgeMessage:
     return pb.EdgeMessage(
         open=pb.OpenSession(
+            top_logprobs=top_logprobs,
             prompt_token_ids=prompt,
             sampling=pb.SamplingParams(**sampling),
             stop=pb.StopConditions(max_new_tokens=max_new, ignore_eos=True),
@@ -89,6 +92,20 @@ CASES = [
     pytest.param(lambda i: [open_msg(i, temperature=math.inf)], INVALID, "temperature", id="inf temperature"),
     pytest.param(lambda i: [open_msg(i, temperature=1.0, top_p=0.0)], INVALID, "top_p", id="top-p 0"),
     pytest.param(lambda i: [open_msg(i, temperature=1.0, top_p=1.5)], INVALID, "top_p", id="top-p 1.5"),
+    pytest.param(
+        lambda i: [open_msg(i, frequency_penalty=2.5)], INVALID, "frequency_penalty", id="frequency penalty"
+    ),
+    pytest.param(
+        lambda i: [open_msg(i, presence_penalty=-3.0)], INVALID, "presence_penalty", id="presence penalty"
+    ),
+    pytest.param(
+        lambda i: [open_msg(i, repetition_penalty=0.0)], INVALID, "repetition_penalty", id="repetition 0"
+    ),
+    pytest.param(lambda i: [open_msg(i, logit_bias={5: 200.0})], INVALID, "logit_bias", id="bias range"),
+    pytest.param(
+        lambda i: [open_msg(i, logit_bias={10**6: 1.0})], INVALID, "logit_bias token id", id="bias id"
+    ),
+    pytest.param(lambda i: [open_msg(i, top_logprobs=21)], INVALID, "top_logprobs", id="top logprobs"),
     pytest.param(lambda i: [proposal(1, 4, [1])], INVALID, "first message", id="proposal before open"),
     pytest.param(lambda i: [open_msg(i), open_msg(i)], INVALID, "already open", id="second open"),
     pytest.param(lambda i: [open_msg(i), proposal(2, START, [1])], INVALID, "out of order", id="round gap"),

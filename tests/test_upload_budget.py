@@ -29,7 +29,7 @@ class LargestIds:
     def __init__(self, vocabulary):
         self.vocabulary = vocabulary
 
-    def propose(self, sequence, gamma, params, stop_token_ids=()):
+    def propose(self, sequence, gamma, params, stop_token_ids=(), prompt_length=0):
         return [self.vocabulary.size - 1] * gamma
 
 

@@ -17,18 +17,20 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwire.contract import (
+    MAX_TOP_LOGPROBS,
     Drafting,
     Finish,
     InvalidSampling,
     Proposal,
     SessionSpec,
+    TokenLogprob,
     Verdict,
     generation_budget,
     is_stale,
     stop_set,
 )
 from draftwire.ngram import ngram_draft
-from draftwire.rules import choose_tokens, commit_round
+from draftwire.rules import adjusted_logits, choose_tokens, commit_round, token_logprobs
 from verifier_service.batcher import Batcher, Engine
 from verifier_service.engine import Forward
 
@@ -142,6 +144,9 @@ class VerifierSession:
             spec.sampling.validate()
         except InvalidSampling as e:
             raise InvalidRequest(str(e)) from None
+        self._check_ids([token for token, _ in spec.sampling.logit_bias], "logit_bias")
+        if spec.top_logprobs is not None and not 0 <= spec.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {spec.top_logprobs}")
         self.max_new_tokens = generation_budget(spec.max_new_tokens, info.max_context, prompt_length)
         if len(spec.generated_token_ids) >= self.max_new_tokens:
             raise InvalidRequest(
@@ -152,6 +157,7 @@ class VerifierSession:
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.last_round = 0
         self.finish: Finish | None = None
+        self.logprobs: list[TokenLogprob] = []  # the generated tokens' (this stream's), when asked for
         self.target_positions = 0  # positions the target computed for this session
         self.reused_positions = 0  # prefill positions taken from a kept cache
 
@@ -267,12 +273,19 @@ class VerifierSession:
 
         logits  # [len(begun.draft) + 1, vocab]
         """
-        length = len(self.committed)
-        target = choose_tokens(logits.numpy(), length, self.spec.sampling).tolist()
+        length, params = len(self.committed), self.spec.sampling
+        prompt_length = len(self.spec.prompt_token_ids)
+        scores = adjusted_logits(logits.numpy(), params, self.committed, prompt_length, begun.draft)
+        target = choose_tokens(scores, length, params).tolist()
         accepted, target_token, self.finish = commit_round(
             begun.draft, target, self.stop_token_ids, begun.budget
         )
-        self.committed += [*begun.draft[:accepted], *([target_token] if target_token is not None else [])]
+        new = [*begun.draft[:accepted], *([target_token] if target_token is not None else [])]
+        self.committed += new
+        logprobs = ()
+        if self.spec.top_logprobs is not None:  # from the rows that chose the committed tokens
+            logprobs = tuple(token_logprobs(scores[: len(new)], new, params, self.spec.top_logprobs))
+            self.logprobs += logprobs
         positions = len(begun.forward.token_ids)
         self.target_positions += positions
         stats = self.stats
@@ -291,6 +304,8 @@ class VerifierSession:
                 self.batcher.gamma_cap.observe_round(len(begun.draft), accepted, cut=self.finish is not None)
         verify_seconds, batch_size = self.batcher.stats.last.get(self.key, (0.0, 0))
         verdict = self._verdict(begun.proposal, accepted, target_token, verify=(verify_seconds, batch_size))
+        if logprobs:
+            verdict = dataclasses.replace(verdict, logprobs=logprobs)
         if self.spec.thin:  # the edge learns the server's drafts it accepted from the verdict
             verdict = dataclasses.replace(verdict, server_draft_token_ids=begun.draft)
         return verdict
@@ -331,19 +346,26 @@ class VerifierSession:
             raise InvalidRequest(f"{what} token id {bad} outside the vocabulary [0, {size})")
 
 
-async def decode_alone(batcher: Batcher, spec: SessionSpec) -> list[int]:
+async def decode_alone(
+    batcher: Batcher, spec: SessionSpec, logprobs: list[TokenLogprob] | None = None
+) -> list[int]:
     """The target alone, one token per round of no draft tokens, through the same batcher, engine and
-    rules as speculative sessions. Returns the generated ids; raises what VerifierSession raises."""
+    rules as speculative sessions. Returns the generated ids; `logprobs`, when given, receives theirs
+    (spec.top_logprobs set). Raises what VerifierSession raises."""
     session = await VerifierSession.open(batcher, spec, VerifierLimits(min_gamma=0, max_gamma=0))
     try:
         while session.finish is None:
             await session.play(Proposal(session.last_round + 1, len(session.committed), ()))
+        if logprobs is not None:
+            logprobs += session.logprobs
         return session.generated
     finally:
         session.close()
 
 
-def reference_decode(engine: Engine, spec: SessionSpec) -> list[int]:
+def reference_decode(
+    engine: Engine, spec: SessionSpec, logprobs: list[TokenLogprob] | None = None
+) -> list[int]:
     """`decode_alone` on an event loop and a batcher of its own, blocking the caller (from a running
     event loop too: it then runs on a thread of its own).
 
@@ -355,7 +377,7 @@ def reference_decode(engine: Engine, spec: SessionSpec) -> list[int]:
     async def run() -> list[int]:
         batcher = Batcher(engine)
         try:
-            return await decode_alone(batcher, spec)
+            return await decode_alone(batcher, spec, logprobs)
         finally:
             batcher.close()
 

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64raftwire/v1/draftwire.proto\x12\x0c\x64raftwire.v1\"\x12\n\x10ModelInfoRequest\"\x8a\x02\n\tModelInfo\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_gamma\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x33\n\x0especial_tokens\x18\x06 \x01(\x0b\x32\x1b.draftwire.v1.SpecialTokens\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\r\x12(\n\x08numerics\x18\t \x01(\x0b\x32\x16.draftwire.v1.Numerics\"[\n\x08Numerics\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0f\n\x07kernels\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\x12\x10\n\x08identity\x18\x05 \x01(\t\"~\n\rSpecialTokens\x12\x19\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"T\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\x8f\x02\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.draftwire.v1.SamplingParams\x12*\n\x04stop\x18\x03 \x01(\x0b\x32\x1c.draftwire.v1.StopConditions\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12(\n\x08\x64rafting\x18\x07 \x01(\x0e\x32\x16.draftwire.v1.Drafting\x12\x10\n\x08numerics\x18\x08 \x01(\t\"e\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\r\"l\n\x0b\x45\x64geMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.draftwire.v1.OpenSessionH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.draftwire.v1.ProposalH\x00\x42\x06\n\x04kind\"i\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\x12\x18\n\x10reused_positions\x18\x03 \x01(\x04\x12\x10\n\x08numerics\x18\x04 \x01(\t\"\xc9\x02\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1c\n\x0ftarget_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.draftwire.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x18\n\x10\x63ommitted_length\x18\x07 \x01(\x04\x12\x18\n\x10target_positions\x18\x08 \x01(\x04\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x12\n\nbatch_size\x18\n \x01(\r\x12\x1e\n\x16server_draft_token_ids\x18\x0b \x03(\r\x12\x11\n\tgamma_cap\x18\x0c \x01(\rB\x12\n\x10_target_token_id\"r\n\x0fVerifierMessage\x12-\n\x06opened\x18\x01 \x01(\x0b\x32\x1b.draftwire.v1.SessionOpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.draftwire.v1.VerdictH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xbe\x05\n\x0bServerStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fround_positions\x18\x05 \x01(\x04\x12\x19\n\x11prefill_positions\x18\x06 \x01(\x04\x12\"\n\x1atarget_positions_per_token\x18\x07 \x01(\x01\x12\x16\n\x0e\x65ngine_batches\x18\x08 \x01(\x04\x12\x17\n\x0f\x65ngine_forwards\x18\t \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\n \x01(\x01\x12\x18\n\x10reused_positions\x18\x0b \x01(\x04\x12\x13\n\x0bkept_caches\x18\x0c \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\r \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x0e \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x0f \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x10 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x11 \x03(\x04\x12\x17\n\x0fstale_proposals\x18\x12 \x01(\x04\x12\x39\n\x08refusals\x18\x13 \x03(\x0b\x32\'.draftwire.v1.ServerStats.RefusalsEntry\x12\x1c\n\x14\x62\x61tch_seconds_counts\x18\x14 \x03(\x04\x12\x19\n\x11\x62\x61tch_size_counts\x18\x15 \x03(\x04\x12\x15\n\rthin_sessions\x18\x16 \x01(\x04\x12\x11\n\tgamma_cap\x18\x17 \x01(\r\x12(\n\x08numerics\x18\x18 \x03(\x0b\x32\x16.draftwire.v1.Numerics\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*D\n\x08\x44rafting\x12\x11\n\rDRAFTING_EDGE\x10\x00\x12\x11\n\rDRAFTING_NONE\x10\x01\x12\x12\n\x0e\x44RAFTING_NGRAM\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdf\x01\n\x08Verifier\x12G\n\x0cGetModelInfo\x12\x1e.draftwire.v1.ModelInfoRequest\x1a\x17.draftwire.v1.ModelInfo\x12G\n\x07Session\x12\x19.draftwire.v1.EdgeMessage\x1a\x1d.draftwire.v1.VerifierMessage(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x1a.draftwire.v1.StatsRequest\x1a\x19.draftwire.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64raftwire/v1/draftwire.proto\x12\x0c\x64raftwire.v1\"\x12\n\x10ModelInfoRequest\"\x8a\x02\n\tModelInfo\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_gamma\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x33\n\x0especial_tokens\x18\x06 \x01(\x0b\x32\x1b.draftwire.v1.SpecialTokens\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\r\x12(\n\x08numerics\x18\t \x01(\x0b\x32\x16.draftwire.v1.Numerics\"[\n\x08Numerics\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0f\n\x07kernels\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x65xact\x18\x04 \x01(\x08\x12\x10\n\x08identity\x18\x05 \x01(\t\"~\n\rSpecialTokens\x12\x19\n\x0c\x62os_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xc0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.draftwire.v1.SamplingParams.LogitBiasEntry\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penalty\"T\n\x0eStopConditions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xbb\x02\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.draftwire.v1.SamplingParams\x12*\n\x04stop\x18\x03 \x01(\x0b\x32\x1c.draftwire.v1.StopConditions\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12(\n\x08\x64rafting\x18\x07 \x01(\x0e\x32\x16.draftwire.v1.Drafting\x12\x10\n\x08numerics\x18\x08 \x01(\t\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_top_logprobs\"e\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x04 \x03(\r\"l\n\x0b\x45\x64geMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.draftwire.v1.OpenSessionH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.draftwire.v1.ProposalH\x00\x42\x06\n\x04kind\"i\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\x12\x18\n\x10reused_positions\x18\x03 \x01(\x04\x12\x10\n\x08numerics\x18\x04 \x01(\t\"\xf7\x02\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1c\n\x0ftarget_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.draftwire.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x18\n\x10\x63ommitted_length\x18\x07 \x01(\x04\x12\x18\n\x10target_positions\x18\x08 \x01(\x04\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x12\n\nbatch_size\x18\n \x01(\r\x12\x1e\n\x16server_draft_token_ids\x18\x0b \x03(\r\x12\x11\n\tgamma_cap\x18\x0c \x01(\r\x12,\n\x08logprobs\x18\r \x03(\x0b\x32\x1a.draftwire.v1.TokenLogprobB\x12\n\x10_target_token_id\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"r\n\x0fVerifierMessage\x12-\n\x06opened\x18\x01 \x01(\x0b\x32\x1b.draftwire.v1.SessionOpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.draftwire.v1.VerdictH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xbe\x05\n\x0bServerStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fround_positions\x18\x05 \x01(\x04\x12\x19\n\x11prefill_positions\x18\x06 \x01(\x04\x12\"\n\x1atarget_positions_per_token\x18\x07 \x01(\x01\x12\x16\n\x0e\x65ngine_batches\x18\x08 \x01(\x04\x12\x17\n\x0f\x65ngine_forwards\x18\t \x01(\x04\x12\x16\n\x0e\x65ngine_seconds\x18\n \x01(\x01\x12\x18\n\x10reused_positions\x18\x0b \x01(\x04\x12\x13\n\x0bkept_caches\x18\x0c \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\r \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x0e \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x0f \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x10 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x11 \x03(\x04\x12\x17\n\x0fstale_proposals\x18\x12 \x01(\x04\x12\x39\n\x08refusals\x18\x13 \x03(\x0b\x32\'.draftwire.v1.ServerStats.RefusalsEntry\x12\x1c\n\x14\x62\x61tch_seconds_counts\x18\x14 \x03(\x04\x12\x19\n\x11\x62\x61tch_size_counts\x18\x15 \x03(\x04\x12\x15\n\rthin_sessions\x18\x16 \x01(\x04\x12\x11\n\tgamma_cap\x18\x17 \x01(\r\x12(\n\x08numerics\x18\x18 \x03(\x0b\x32\x16.draftwire.v1.Numerics\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*D\n\x08\x44rafting\x12\x11\n\rDRAFTING_EDGE\x10\x00\x12\x11\n\rDRAFTING_NONE\x10\x01\x12\x12\n\x0e\x44RAFTING_NGRAM\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xdf\x01\n\x08Verifier\x12G\n\x0cGetModelInfo\x12\x1e.draftwire.v1.ModelInfoRequest\x1a\x17.draftwire.v1.ModelInfo\x12G\n\x07Session\x12\x19.draftwire.v1.EdgeMessage\x1a\x1d.draftwire.v1.VerifierMessage(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x1a.draftwire.v1.StatsRequest\x1a\x19.draftwire.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'draftwire.v1.draftwire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SERVERSTATS_REFUSALSENTRY']._loaded_options = None
   _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTING']._serialized_start=2503
-  _globals['_DRAFTING']._serialized_end=2571
-  _globals['_FINISHREASON']._serialized_start=2573
-  _globals['_FINISHREASON']._serialized_end=2668
+  _globals['_DRAFTING']._serialized_start=2896
+  _globals['_DRAFTING']._serialized_end=2964
+  _globals['_FINISHREASON']._serialized_start=2966
+  _globals['_FINISHREASON']._serialized_end=3061
   _globals['_MODELINFOREQUEST']._serialized_start=46
   _globals['_MODELINFOREQUEST']._serialized_end=64
   _globals['_MODELINFO']._serialized_start=67
@@ -45,28 +47,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NUMERICS']._serialized_end=426
   _globals['_SPECIALTOKENS']._serialized_start=428
   _globals['_SPECIALTOKENS']._serialized_end=554
-  _globals['_SAMPLINGPARAMS']._serialized_start=556
-  _globals['_SAMPLINGPARAMS']._serialized_end=652
-  _globals['_STOPCONDITIONS']._serialized_start=654
-  _globals['_STOPCONDITIONS']._serialized_end=738
-  _globals['_OPENSESSION']._serialized_start=741
-  _globals['_OPENSESSION']._serialized_end=1012
-  _globals['_PROPOSAL']._serialized_start=1014
-  _globals['_PROPOSAL']._serialized_end=1115
-  _globals['_EDGEMESSAGE']._serialized_start=1117
-  _globals['_EDGEMESSAGE']._serialized_end=1225
-  _globals['_SESSIONOPENED']._serialized_start=1227
-  _globals['_SESSIONOPENED']._serialized_end=1332
-  _globals['_VERDICT']._serialized_start=1335
-  _globals['_VERDICT']._serialized_end=1664
-  _globals['_VERIFIERMESSAGE']._serialized_start=1666
-  _globals['_VERIFIERMESSAGE']._serialized_end=1780
-  _globals['_STATSREQUEST']._serialized_start=1782
-  _globals['_STATSREQUEST']._serialized_end=1796
-  _globals['_SERVERSTATS']._serialized_start=1799
-  _globals['_SERVERSTATS']._serialized_end=2501
-  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_start=2454
-  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_end=2501
-  _globals['_VERIFIER']._serialized_start=2671
-  _globals['_VERIFIER']._serialized_end=2894
+  _globals['_SAMPLINGPARAMS']._serialized_start=557
+  _globals['_SAMPLINGPARAMS']._serialized_end=877
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=796
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=844
+  _globals['_STOPCONDITIONS']._serialized_start=879
+  _globals['_STOPCONDITIONS']._serialized_end=963
+  _globals['_OPENSESSION']._serialized_start=966
+  _globals['_OPENSESSION']._serialized_end=1281
+  _globals['_PROPOSAL']._serialized_start=1283
+  _globals['_PROPOSAL']._serialized_end=1384
+  _globals['_EDGEMESSAGE']._serialized_start=1386
+  _globals['_EDGEMESSAGE']._serialized_end=1494
+  _globals['_SESSIONOPENED']._serialized_start=1496
+  _globals['_SESSIONOPENED']._serialized_end=1601
+  _globals['_VERDICT']._serialized_start=1604
+  _globals['_VERDICT']._serialized_end=1979
+  _globals['_TOKENLOGPROB']._serialized_start=1981
+  _globals['_TOKENLOGPROB']._serialized_end=2057
+  _globals['_VERIFIERMESSAGE']._serialized_start=2059
+  _globals['_VERIFIERMESSAGE']._serialized_end=2173
+  _globals['_STATSREQUEST']._serialized_start=2175
+  _globals['_STATSREQUEST']._serialized_end=2189
+  _globals['_SERVERSTATS']._serialized_start=2192
+  _globals['_SERVERSTATS']._serialized_end=2894
+  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_start=2847
+  _globals['_SERVERSTATS_REFUSALSENTRY']._serialized_end=2894
+  _globals['_VERIFIER']._serialized_start=3064
+  _globals['_VERIFIER']._serialized_end=3287
 # @@protoc_insertion_point(module_scope)

@@ -76,16 +76,31 @@ class SpecialTokens(_message.Message):
     def __init__(self, bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class StopConditions(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -98,7 +113,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics")
+    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics", "top_logprobs")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +122,7 @@ class OpenSession(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stop: StopConditions
@@ -115,7 +131,8 @@ class OpenSession(_message.Message):
     vocab_size: int
     drafting: Drafting
     numerics: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids")
@@ -150,7 +167,7 @@ class SessionOpened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap")
+    __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap", "logprobs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +180,7 @@ class Verdict(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SERVER_DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_CAP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     round: int
     start_position: int
     accepted: int
@@ -175,7 +193,18 @@ class Verdict(_message.Message):
     batch_size: int
     server_draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma_cap: int
-    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., accepted: _Optional[int] = ..., target_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stale: _Optional[bool] = ..., committed_length: _Optional[int] = ..., target_positions: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., server_draft_token_ids: _Optional[_Iterable[int]] = ..., gamma_cap: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., accepted: _Optional[int] = ..., target_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stale: _Optional[bool] = ..., committed_length: _Optional[int] = ..., target_positions: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., server_draft_token_ids: _Optional[_Iterable[int]] = ..., gamma_cap: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("opened", "verdict")

@@ -50,9 +50,9 @@ class RecordingDrafter(LlamaDrafter):
 
     gammas: list[int]
 
-    def propose(self, sequence, gamma, params, stop_token_ids=()):
+    def propose(self, sequence, gamma, params, stop_token_ids=(), prompt_length=0):
         self.gammas.append(gamma)
-        return super().propose(sequence, gamma, params, stop_token_ids)
+        return super().propose(sequence, gamma, params, stop_token_ids, prompt_length)
 
 
 async def _adaptive(

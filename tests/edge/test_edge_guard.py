@@ -510,7 +510,7 @@ def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_keeps_the_chat(vocab):
         def __init__(self, base):
             self.llm, self.vocabulary = base.llm, base.vocabulary
 
-        def propose(self, sequence, gamma, params, stop_token_ids=()):
+        def propose(self, sequence, gamma, params, stop_token_ids=(), prompt_length=0):
             return [7] * gamma
 
     lines = iter(["hi", "again"])

@@ -90,7 +90,9 @@ class RecordedDrafter:
         self.seconds_per_token, self.prefill_s = timing
         self.executor = executor  # sleeps off the event loop, each session as if on its own device
 
-    def propose(self, sequence, gamma: int, params: SamplingParams, stop_token_ids=()) -> list[int]:
+    def propose(
+        self, sequence, gamma: int, params: SamplingParams, stop_token_ids=(), prompt_length=0
+    ) -> list[int]:
         n = len(sequence)
         time.sleep(gamma * self.seconds_per_token + (self.prefill_s if n == self.prompt_length else 0.0))
         draft = self.table.get(n, [])[:gamma]

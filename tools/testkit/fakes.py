@@ -174,6 +174,7 @@ class MistakenDrafter:
         gamma: int,
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
+        prompt_length: int = 0,
     ) -> list[int]:
         self.calls += 1
         draft, last = [], sequence[-1]
@@ -201,7 +202,7 @@ class ScriptedDrafter:
     def vocabulary(self) -> Vocabulary:
         return self.inner.vocabulary
 
-    def propose(self, sequence, gamma, params, stop_token_ids=()) -> list[int]:
+    def propose(self, sequence, gamma, params, stop_token_ids=(), prompt_length=0) -> list[int]:
         prompt = next(p for p in self.scripts if tuple(sequence[: len(p)]) == p)
         done = len(sequence) - len(prompt)
         wrong = {i for i in range(done, done + gamma) if i % self.wrong_every == self.wrong_every - 1}
