@@ -41,6 +41,7 @@ from edge_client.openai_api import (
     Settings,
     StopCutter,
     error_body,
+    logprob_entry,
     parse_chat,
     parse_completion,
     parse_settings,
@@ -92,6 +93,7 @@ class Outcome:
     generated: list[int]
     stats: GenerationStats
     seed: int
+    logprobs: list[dict] = field(default_factory=list)  # OpenAI's chat entries, when the request asks
 
     def figures(self) -> dict:
         return {
@@ -428,7 +430,7 @@ class EdgeApp:
         content = body.get("content")
         if not isinstance(content, str) or not content.strip():
             raise BadRequest("content must be a non-empty string", "content")
-        stored = Settings(**{**conversation["settings"], "stop": tuple(conversation["settings"]["stop"])})
+        stored = Settings.from_json(conversation["settings"])
         given = body.get("settings") or {}
         settings = parse_settings(given, stored)
         stream, include_usage = body.get("stream", True), False
@@ -536,13 +538,20 @@ class EdgeApp:
                 self.config.gamma,
                 pipeline=self.config.pipeline,
                 drafting=self.config.drafting,
+                top_logprobs=settings.logprobs,
             )
             text = _TextStream(self.drafter, info.target.eos_token_ids, settings.stop)
-            parts = []
+            parts, logprobs = [], []
             try:
-                generation = self.session.generate(request, outcome.stats, outcome.generated)
+                generation = self.session.generate(request, outcome.stats, outcome.generated, logprobs)
                 async with contextlib.aclosing(generation) as tokens:
                     async for new in tokens:
+                        if settings.logprobs is not None:  # the text's tokens, end-of-sequence left out
+                            outcome.logprobs += [
+                                logprob_entry(self._piece_bytes, token, t)
+                                for token, t in zip(new, logprobs[len(logprobs) - len(new) :], strict=True)
+                                if token not in text.eos
+                            ]
                         if piece := text.feed(new):
                             parts.append(piece)
                             yield piece
@@ -558,6 +567,9 @@ class EdgeApp:
             finally:
                 outcome.text = "".join(parts)
                 self.contexts.remember(prompt + outcome.generated)
+
+    def _piece_bytes(self, token: int) -> bytes:
+        return self.drafter.detokenize([token])
 
     async def _respond(
         self,
@@ -578,6 +590,15 @@ class EdgeApp:
         outcome = Outcome("", "cancelled", prompt, [], GenerationStats(), seed)
         figures = {**(extra or {}), "seed": seed}
         run = self._reply(prompt, req.settings, outcome)
+        sent = 0  # logprobs entries already sent
+
+        def unsent() -> list[dict] | None:
+            nonlocal sent
+            if req.settings.logprobs is None:
+                return None
+            fresh, sent = outcome.logprobs[sent:], len(outcome.logprobs)
+            return fresh
+
         try:
             async with contextlib.aclosing(run):
                 first = await anext(run, None)  # a refusal of the open raises here
@@ -585,7 +606,9 @@ class EdgeApp:
                     async for _ in run:
                         pass
                     figures["timings"] = timings(outcome.stats, len(prompt))
-                    body = shape.complete(outcome.text, outcome.finish_reason, self._usage(outcome), figures)
+                    body = shape.complete(
+                        outcome.text, outcome.finish_reason, self._usage(outcome), figures, unsent()
+                    )
                     return web.json_response(body)
                 response = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -596,10 +619,14 @@ class EdgeApp:
                         await _send(response, shape.chunk("", first=True))
                     piece = first
                     while piece is not None:
-                        await _send(response, shape.chunk(piece) if chat else shape.text_chunk(piece))
+                        fresh = unsent()
+                        await _send(
+                            response,
+                            shape.chunk(piece, logprobs=fresh) if chat else shape.text_chunk(piece, fresh),
+                        )
                         piece = await anext(run, None)
                     figures["timings"] = timings(outcome.stats, len(prompt))
-                    await _send(response, shape.final_chunk(outcome.finish_reason, figures))
+                    await _send(response, shape.final_chunk(outcome.finish_reason, figures, unsent()))
                     if req.include_usage:
                         await _send(response, shape.usage_chunk(self._usage(outcome)))
                     await response.write(b"data: [DONE]\n\n")

@@ -11,12 +11,13 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
-from draftwire.contract import InvalidSampling, SamplingParams
+from draftwire.contract import MAX_TOP_LOGPROBS, InvalidSampling, SamplingParams, TokenLogprob
 from edge_client.planner import GenerationStats
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
@@ -53,10 +54,24 @@ class Settings:
     top_k: int = 0
     seed: int | None = None  # None: a fresh one per reply (reported in the response)
     stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
 
     def sampling(self) -> SamplingParams:
         seed = self.seed if self.seed is not None else secrets.randbits(63)
-        return SamplingParams(self.temperature, self.top_k, self.top_p, seed if self.temperature else 0)
+        return SamplingParams(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            seed if self.temperature else 0,
+            self.logit_bias,
+            self.repetition_penalty,
+            self.frequency_penalty,
+            self.presence_penalty,
+        )
 
     def as_json(self) -> dict:
         return {
@@ -66,7 +81,19 @@ class Settings:
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": list(self.stop),
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": {str(token): bias for token, bias in self.logit_bias},
+            "logprobs": self.logprobs,
         }
+
+    @classmethod
+    def from_json(cls, stored: dict) -> Settings:
+        """The inverse of as_json (a stored conversation's; fields it lacks take their defaults)."""
+        fields = {**stored, "stop": tuple(stored.get("stop", ()))}
+        fields["logit_bias"] = tuple((int(t), float(b)) for t, b in (stored.get("logit_bias") or {}).items())
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -80,9 +107,10 @@ class CompletionRequest:
     max_tokens_given: bool = True  # False: the default, cut to what the context leaves
 
 
-def parse_settings(body: dict[str, Any], defaults: Settings) -> Settings:
+def parse_settings(body: dict[str, Any], defaults: Settings, chat: bool = True) -> Settings:
     """The generation fields of an OpenAI request over `defaults`; unknown fields are ignored, as
-    OpenAI ignores them. Raises BadRequest naming the first bad field."""
+    OpenAI ignores them. `chat`: logprobs as the chat API has them (a boolean, and top_logprobs), else
+    as the completions API (the number of alternatives). Raises BadRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     s = defaults
@@ -105,6 +133,12 @@ def parse_settings(body: dict[str, Any], defaults: Settings) -> Settings:
         s = replace(s, stop=_stop(body["stop"]))
     if body.get("n") not in (None, 1):
         raise BadRequest("only n = 1 is supported", "n")
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            s = replace(s, **{name: _number(body[name], name)})
+    if body.get("logit_bias") is not None:
+        s = replace(s, logit_bias=_logit_bias(body["logit_bias"]))
+    s = replace(s, logprobs=_logprobs(body, s.logprobs, chat))
     try:
         replace(s, seed=s.seed or 0).sampling().validate()
     except InvalidSampling as e:
@@ -129,7 +163,7 @@ def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
 
 def parse_completion(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
     """POST /v1/completions (one prompt string). Raises BadRequest."""
-    settings = parse_settings(body, defaults)
+    settings = parse_settings(body, defaults, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -195,6 +229,36 @@ def _int(value: Any, name: str, minimum: int, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise BadRequest(f"{name} must be an integer in [{minimum}, {maximum}]", name)
     return value
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as strings, JSON keys) to a bias; ranges are the rules' to check."""
+    if not isinstance(value, dict):
+        raise BadRequest("logit_bias must be an object of token ids to numbers", "logit_bias")
+    bias = []
+    for token, number in value.items():
+        if not (isinstance(token, str) and token.isdigit() and len(token) < 11):
+            raise BadRequest(f"logit_bias key {token!r} is not a token id", "logit_bias")
+        bias.append((int(token), _number(number, "logit_bias")))
+    return tuple(bias)
+
+
+def _logprobs(body: dict, default: int | None, chat: bool) -> int | None:
+    """How many alternatives a request wants with each token's logprob (None: no logprobs)."""
+    if chat:
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise BadRequest("logprobs must be a boolean", "logprobs")
+        if top is not None:
+            top = _int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+            if not wanted:
+                raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+        if wanted is None:
+            return default
+        return (top or 0) if wanted else None
+    if body.get("logprobs") is None:
+        return default
+    return _int(body["logprobs"], "logprobs", 0, MAX_TOP_LOGPROBS)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -285,6 +349,37 @@ def usage(prompt_tokens: int, completion_tokens: int, reused: int = 0) -> dict:
     }
 
 
+# What OpenAI reports for a token its sampling ruled out (JSON has no -Infinity).
+RULED_OUT_LOGPROB = -9999.0
+
+
+def logprob_entry(token_bytes: Callable[[int], bytes], token_id: int, t: TokenLogprob) -> dict:
+    """One token's entry of a chat response's `logprobs.content`, in OpenAI's shape: its text, logprob
+    and UTF-8 bytes, and its `top_logprobs` alternatives alike."""
+
+    def piece(token: int, logprob: float) -> dict:
+        raw = token_bytes(token)
+        value = logprob if math.isfinite(logprob) else RULED_OUT_LOGPROB
+        return {"token": raw.decode("utf-8", "replace"), "logprob": value, "bytes": list(raw)}
+
+    return {**piece(token_id, t.logprob), "top_logprobs": [piece(i, p) for i, p in t.top]}
+
+
+def completion_logprobs(entries: list[dict]) -> dict:
+    """The completions API's `logprobs` object from chat-shaped entries: tokens, their logprobs, the
+    alternatives as {token: logprob}, and each token's offset in the text."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 class ResponseShape:
     """The ids, objects and chunks of one response, chat or text completion."""
 
@@ -299,39 +394,48 @@ class ResponseShape:
         )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, first: bool = False) -> dict:
+    def _choice(
+        self, text: str | None, finish: str | None, chunk: bool, first: bool = False, logprobs=None
+    ) -> dict:
+        """`logprobs`: the chat-shaped entries of the tokens this choice carries, or None (not asked)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if not self.chat:
-            choice.update(text=text or "", logprobs=None)
-        elif chunk:
+            choice.update(
+                text=text or "", logprobs=completion_logprobs(logprobs) if logprobs is not None else None
+            )
+            return choice
+        if chunk:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta
         else:
             choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = {"content": logprobs, "refusal": None} if logprobs is not None else None
         return choice
 
-    def chunk(self, text: str | None, first: bool = False) -> dict:
-        return {**self._base(True), "choices": [self._choice(text, None, True, first)]}
+    def chunk(self, text: str | None, first: bool = False, logprobs=None) -> dict:
+        return {**self._base(True), "choices": [self._choice(text, None, True, first, logprobs)]}
 
-    def text_chunk(self, text: str) -> dict:
+    def text_chunk(self, text: str, logprobs=None) -> dict:
         """A streamed piece of a text completion."""
-        return {**self._base(True), "choices": [self._choice(text, None, True)]}
+        return {**self._base(True), "choices": [self._choice(text, None, True, logprobs=logprobs)]}
 
-    def final_chunk(self, finish: str, extra: dict) -> dict:
-        """The last chunk with a choice: its finish reason and the reply's figures."""
+    def final_chunk(self, finish: str, extra: dict, logprobs=None) -> dict:
+        """The last chunk with a choice: its finish reason, the reply's figures, the logprobs of tokens
+        whose text no earlier chunk carried."""
         return {
             **self._base(True),
-            "choices": [self._choice(None if self.chat else "", finish, True)],
+            "choices": [self._choice(None if self.chat else "", finish, True, logprobs=logprobs)],
             **extra,
         }
 
     def usage_chunk(self, usage_: dict) -> dict:
         return {**self._base(True), "choices": [], "usage": usage_}
 
-    def complete(self, text: str, finish: str, usage_: dict, extra: dict) -> dict:
-        return {**self._base(False), "choices": [self._choice(text, finish, False)], "usage": usage_, **extra}
+    def complete(self, text: str, finish: str, usage_: dict, extra: dict, logprobs=None) -> dict:
+        choice = self._choice(text, finish, False, logprobs=logprobs)
+        return {**self._base(False), "choices": [choice], "usage": usage_, **extra}
 
 
 # gRPC status of a verifier refusal -> HTTP status; what is not here is the upstream failing (502).

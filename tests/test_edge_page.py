@@ -163,6 +163,26 @@ def _count(edge: str, name: str) -> float:
     )
 
 
+def test_token_probabilities_show_on_hover(page):
+    page.click("#new-chat")
+    page.check("#probs")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "16")
+    page.fill("#input", "Return the sum of a list.")
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".figures")).to_contain_text("acceptance", timeout=60_000)
+    tokens = reply.locator(".tok")
+    assert tokens.count() >= 8  # one span per token (16 at most, EOS not shown)
+    assert "".join(tokens.all_inner_texts()) == reply.locator(".text").inner_text()
+    title = tokens.first.get_attribute("title")
+    lines = title.split("\n")
+    assert len(lines) == 4 and all(line.endswith("%") for line in lines)  # the token, then 3 alternatives
+    # Greedy: the token is its position's likeliest, so it heads the alternatives with its probability.
+    assert lines[0].strip() == lines[1].strip()
+    tokens.first.hover()
+
+
 def test_a_page_from_another_origin_cannot_drive_or_read_the_edge(page):
     edge = page.evaluate("location.origin") + "/"
     conversations = lambda: json.loads(urllib.request.urlopen(edge + "api/conversations").read())  # noqa: E731

@@ -90,6 +90,7 @@ _port = _bounded(int, 0, 65535, what="a port is 0 (any free one) to 65535")
 _temperature = _bounded(float, 0, what="0 (greedy) or more")
 _top_p = _bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1 keeps every token)")
 _seed = _bounded(int, 0, (1 << 64) - 1, what="0 to 2**64 - 1")
+_penalty = _bounded(float, -2, 2, what="-2 to 2")
 _gamma = _bounded(int, 1, what="at least 1 draft token a round (leave --gamma out to have it chosen online)")
 
 
@@ -138,6 +139,51 @@ def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
     )
     p.add_argument(
         "--ignore-eos", action="store_true", help="generate max-new-tokens whatever the target says"
+    )
+    g = p.add_argument_group("penalties and bias (applied by the target, and the draft, at every position)")
+    g.add_argument(
+        "--frequency-penalty",
+        type=_penalty,
+        default=0.0,
+        help="OpenAI's: minus this times a token's count among the generated ones; -2 to 2",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=_penalty,
+        default=0.0,
+        help="OpenAI's: minus this once a token was generated; -2 to 2",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=_bounded(float, 0, 10, low_open=True, what="above 0 and at most 10 (1 is off)"),
+        default=1.0,
+        help="transformers': a seen token's logit divided (negative: multiplied) by it; 1 is off",
+    )
+    g.add_argument(
+        "--logit-bias",
+        type=_bias,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit; repeatable (-100 bans it)",
+    )
+
+
+def _bias(text: str) -> tuple[int, float]:
+    try:
+        token, bias = text.split("=")
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not ID=BIAS (e.g. 13=-100): {text!r}") from None
+
+
+def _add_logprobs(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--logprobs",
+        type=_bounded(int, 0, 20, what="0 to 20 alternatives"),
+        default=None,
+        metavar="K",
+        help="with --json: each token's log-probability under the target and the K likeliest tokens'",
     )
 
 
@@ -322,7 +368,14 @@ def _sampling(args) -> SamplingParams:
             print(f"draftwire: sampling with seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
     try:
         return SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=seed,
+            logit_bias=tuple(args.logit_bias),
+            repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
         ).validate()
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -450,6 +503,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_sampling(p)
     _add_json(p)
+    _add_logprobs(p)
     _add_timeouts(p)
     _add_client_security(p)
 
@@ -459,6 +513,7 @@ def parser() -> argparse.ArgumentParser:
     _add_prompt(p)
     _add_sampling(p)
     _add_json(p)
+    _add_logprobs(p)
 
     p = sub.add_parser("chat", help="terminal chat against a verifier")
     p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
@@ -894,9 +949,14 @@ def _drafter(path: Path, threads: int = 0):
     return LlamaDrafter(DrafterConfig(model_path=path, n_threads=threads))
 
 
-def _emit(args, token_ids: list[int], text: str, stats: dict) -> None:
+def _emit(args, token_ids: list[int], text: str, stats: dict, logprobs=()) -> None:
     if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text, "stats": stats}))
+        out = {"token_ids": token_ids, "text": text, "stats": stats}
+        if args.logprobs is not None:  # one per token: its logprob, and the likeliest [id, logprob] pairs
+            out["logprobs"] = [
+                {"logprob": t.logprob, "top": [list(pair) for pair in t.top]} for t in logprobs
+            ]
+        print(json.dumps(out))
     else:
         print(text)
 
@@ -915,6 +975,7 @@ def _generate(args) -> int:
     sampling = _sampling(args)
 
     tokens, stats = [], GenerationStats()  # what was committed stays here when the verifier fails
+    logprobs: list = []
     stops: set[int] = set()  # the target's end-of-sequence ids, once known
 
     async def run() -> None:
@@ -939,8 +1000,9 @@ def _generate(args) -> int:
                 ignore_eos=args.ignore_eos,
                 pipeline=args.pipeline,
                 drafting=Drafting.EDGE if drafter else Drafting(args.server_drafting),
+                top_logprobs=args.logprobs,
             )
-            async for _ in session.generate(request, stats, tokens):
+            async for _ in session.generate(request, stats, tokens, logprobs):
                 pass
             stops = set((await session.model_info()).target.eos_token_ids)
 
@@ -951,7 +1013,7 @@ def _generate(args) -> int:
         failed = e
     text = tokenizer.detokenize(tokens).decode("utf-8", "replace") if tokenizer else ""
     if failed is None or tokens:  # the committed text, even when the generation could not finish
-        _emit(args, tokens, text, stats.as_json())
+        _emit(args, tokens, text, stats.as_json(), logprobs)
     if failed is not None:
         print(
             f"draftwire: generation stopped after {len(tokens)} committed tokens "
@@ -977,10 +1039,13 @@ def _reference(args) -> int:
         return 2
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompt = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer(args.prompt)["input_ids"])
-    spec = SessionSpec(prompt, _sampling(args), args.max_new_tokens, ignore_eos=args.ignore_eos)
+    spec = SessionSpec(
+        prompt, _sampling(args), args.max_new_tokens, ignore_eos=args.ignore_eos, top_logprobs=args.logprobs
+    )
     start = time.perf_counter()
+    logprobs: list = []
     try:
-        tokens = reference_decode(engine, spec)
+        tokens = reference_decode(engine, spec, logprobs)
     except SessionError as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return 1
@@ -988,7 +1053,7 @@ def _reference(args) -> int:
     stats = GenerationStats(
         rounds=len(tokens), generated_tokens=len(tokens), wall_s=time.perf_counter() - start
     )
-    _emit(args, tokens, tokenizer.decode(tokens, skip_special_tokens=True), stats.as_json())
+    _emit(args, tokens, tokenizer.decode(tokens, skip_special_tokens=True), stats.as_json(), logprobs)
     return 0
 
 

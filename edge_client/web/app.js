@@ -102,11 +102,31 @@ async function openConversation(id) {
   for (const m of c.messages) addMessage(m.role, m.content, m.figures);
   $("temperature").value = c.settings.temperature;
   $("max-tokens").value = c.settings.max_tokens;
+  $("probs").checked = c.settings.logprobs !== null && c.settings.logprobs !== undefined;
   await loadList();
 }
 
 function settings() {
-  return { temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
+  const probs = $("probs").checked;
+  return {
+    temperature: Number($("temperature").value),
+    max_tokens: Number($("max-tokens").value),
+    logprobs: probs,
+    ...(probs ? { top_logprobs: 3 } : {}),
+  };
+}
+
+// A token of the reply as a span whose title gives its probability under the target and the likeliest
+// alternatives at its position (the verifier's own figures, from the logits it chose the token with).
+function tokenSpan(t) {
+  const span = document.createElement("span");
+  const percent = (lp) => `${(100 * Math.exp(lp)).toFixed(1)}%`;
+  span.className = Math.exp(t.logprob) < 0.1 ? "tok unlikely" : "tok";
+  span.textContent = t.token;
+  span.title = [`${JSON.stringify(t.token)} ${percent(t.logprob)}`]
+    .concat(t.top_logprobs.map((a) => `  ${JSON.stringify(a.token)} ${percent(a.logprob)}`))
+    .join("\n");
+  return span;
 }
 
 async function newConversation() {
@@ -135,7 +155,7 @@ async function send(text) {
     }
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
-    let buffer = "";
+    let buffer = "", replyText = "";
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
@@ -150,10 +170,15 @@ async function send(text) {
         const choice = chunk.choices && chunk.choices[0];
         if (stopping !== null) break;
         if (choice && choice.delta && choice.delta.content) {
-          out.textContent += choice.delta.content;
+          replyText += choice.delta.content;
+          if (!choice.logprobs) out.append(choice.delta.content);
           $("messages").scrollTop = $("messages").scrollHeight;
         }
-        if (choice && choice.finish_reason) setFigures(reply, { ...chunk, finish_reason: choice.finish_reason });
+        if (choice && choice.logprobs) for (const t of choice.logprobs.content) out.appendChild(tokenSpan(t));
+        if (choice && choice.finish_reason) {
+          if (out.textContent !== replyText) out.textContent = replyText;  // a stop string cut the tokens' text
+          setFigures(reply, { ...chunk, finish_reason: choice.finish_reason });
+        }
       }
     }
   } catch (e) {

@@ -121,6 +121,53 @@ def test_chat_streams_with_usage_and_figures_in_the_last_chunks(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_logprobs_and_penalties_equal_the_target_alones(client, vocab):
+    """The openai client's logprobs=3 with penalties and a bias: the reply's tokens and log-probabilities
+    are `draftwire reference`'s with the same settings; streamed, the same entries chunk by chunk."""
+    settings = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "logit_bias": {"13": -100}}
+    cli = ["--frequency-penalty", "0.6", "--presence-penalty", "0.4", "--logit-bias", "13=-100"]
+    ids = vocab.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    argv = [
+        VERIFIER,
+        "reference",
+        "--target",
+        str(DEMO / "target"),
+        "--json",
+        "--ignore-eos",
+        "--logprobs",
+        "3",
+    ]
+    argv += ["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "24", "--temperature", "0", *cli]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    reference = json.loads(out.stdout)
+    assert 13 not in reference["token_ids"]
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3, extra_body=settings
+    ).choices[0]
+    assert whole.text == vocab.detokenize(reference["token_ids"]).decode("utf-8", "replace")
+    want = [t["logprob"] for t in reference["logprobs"]]
+    assert whole.logprobs.token_logprobs == pytest.approx(want, abs=1e-6)
+    assert [len(t) for t in whole.logprobs.top_logprobs] == [3] * 24
+    for token, top in zip(reference["token_ids"], whole.logprobs.top_logprobs, strict=True):
+        assert max(top.values()) == top[vocab.detokenize([token]).decode("utf-8", "replace")]  # greedy
+    messages = [{"role": "user", "content": "Return the sum of a list."}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0.8, seed=5, **settings)
+    reply = client.chat.completions.create(**chat, logprobs=True, top_logprobs=2).choices[0]
+    content = reply.logprobs.content
+    assert "".join(t.token for t in content) == reply.message.content
+    assert all(
+        len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in content
+    )
+    chunks = list(client.chat.completions.create(**chat, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(**chat).choices[0]
+    assert plain.logprobs is None and plain.message.content == reply.message.content
+
+
 def test_stop_strings_cut_as_openai_does(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0]
     text = whole.text
@@ -153,6 +200,23 @@ def test_stop_strings_cut_as_openai_does(client):
             "at most",
         ),
         ({"messages": []}, "messages", "non-empty"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5},
+            "frequency_penalty",
+            "[-2, 2]",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias", "token id"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}},
+            "logit_bias",
+            "[-100, 100]",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs", "logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            "[0, 20]",
+        ),
         # Prompt plus max_tokens over the context: refused by the edge before anything is drafted.
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}, "max_tokens", "context"),
     ],
