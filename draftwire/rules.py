@@ -13,6 +13,7 @@ token was rejected) or a bonus (all were accepted).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -65,21 +66,27 @@ def adjusted_logits(
         scores[:, list(ids)] += np.asarray(biases, dtype=np.float64)
     if not params.penalized:
         return scores
-    vocab = scores.shape[-1]
-    seen = np.zeros(vocab, dtype=bool)
-    seen[np.asarray(context, dtype=np.int64)] = True
-    counts = np.bincount(np.asarray(context[prompt_length:], dtype=np.int64), minlength=vocab).astype(
-        np.float64
+    # Only the tokens of the history change: work on their columns alone (a few hundred of a vocabulary
+    # of 10^5), with each column's seen flag and generated count, row by row.
+    rows = scores.shape[0]
+    history = np.concatenate(
+        [np.asarray(context, dtype=np.int64), np.asarray(draft[: rows - 1], dtype=np.int64)]
     )
-    for i, row in enumerate(scores):
+    columns, where = np.unique(history, return_inverse=True)
+    seen = np.zeros(len(columns), dtype=bool)
+    seen[where[: len(context)]] = True
+    counts = np.bincount(where[prompt_length : len(context)], minlength=len(columns)).astype(np.float64)
+    block = scores[:, columns]
+    for i, row in enumerate(block):
         if i:
-            seen[draft[i - 1]] = True
-            counts[draft[i - 1]] += 1.0
+            seen[where[len(context) + i - 1]] = True
+            counts[where[len(context) + i - 1]] += 1.0
         if params.repetition_penalty != 1.0:
             r = row[seen]
             row[seen] = np.where(r < 0, r * params.repetition_penalty, r / params.repetition_penalty)
         if params.frequency_penalty or params.presence_penalty:
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    scores[:, columns] = block
     return scores
 
 
@@ -93,22 +100,30 @@ def token_logprobs(
     top-k, top-p; filtered-out tokens have -inf), or greedy, softmax of the adjusted logits at
     temperature 1. Computed in float64, rounded to float32 (the wire's width).
     """
-    scaled = np.asarray(scores, dtype=np.float64)
-    if not params.greedy:
+    # Row by row into one buffer: a temporary of the whole [n, vocab] costs more in fresh pages than in
+    # arithmetic (5 rows of a 49k vocabulary: 5 ms against 0.4).
+    scaled = np.array(scores, dtype=np.float64)
+    if params.top_k or params.top_p < 1.0:
         scaled = filtered_logits(scaled, params)
-    peak = scaled.max(axis=-1, keepdims=True)
-    logprobs = scaled - (peak + np.log(np.exp(scaled - peak).sum(axis=-1, keepdims=True)))
+    elif not params.greedy:
+        scaled /= params.temperature  # what filtered_logits computes without a filter, in place
+    vocab = scaled.shape[-1]
+    work = np.empty(vocab)
     out = []
-    vocab = logprobs.shape[-1]
-    for row, token in zip(logprobs, token_ids, strict=True):
+    for row, token in zip(scaled, token_ids, strict=True):
+        peak = row.max()
+        np.subtract(row, peak, out=work)
+        np.exp(work, out=work)
+        lse = peak + math.log(work.sum())  # log of the softmax's denominator
         best: tuple[tuple[int, float], ...] = ()
         if top:
             k = min(top, vocab)
-            floor = np.partition(row, vocab - k)[vocab - k]  # the k-th largest
-            candidates = np.flatnonzero(row >= floor)
+            np.copyto(work, row)
+            work.partition(vocab - k)
+            candidates = np.flatnonzero(row >= work[vocab - k])  # at least the k largest
             order = np.lexsort((candidates, -row[candidates]))[:k]  # most likely first, lower id on ties
-            best = tuple((int(t), float(np.float32(row[t]))) for t in candidates[order])
-        out.append(TokenLogprob(float(np.float32(row[token])), best))
+            best = tuple((int(t), float(np.float32(row[t] - lse))) for t in candidates[order])
+        out.append(TokenLogprob(float(np.float32(row[token] - lse)), best))
     return out
 
 

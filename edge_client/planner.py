@@ -249,7 +249,7 @@ class Planner:
             self.stats.stale_rounds += 1
             return []
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
-        check_logprobs(verdict, len(new), self.request.top_logprobs)
+        check_logprobs(verdict, len(new), self.request.top_logprobs, self.vocab_size)
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
         self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
         if arrived is not None and sent.sent_s is not None:
@@ -282,14 +282,20 @@ class Planner:
         return max(1, min(chosen, left - 1, self.max_gamma)) if left > 0 else 0
 
 
-def check_logprobs(verdict: Verdict, committed: int, top_logprobs: int | None) -> None:
+def check_logprobs(verdict: Verdict, committed: int, top_logprobs: int | None, vocab_size: int) -> None:
     """Raises BadVerdict unless the verdict carries what the session asked for: no logprobs, or one per
-    token it commits with at most `top_logprobs` alternatives each."""
+    token it commits with at most `top_logprobs` alternatives each, their ids in the vocabulary (the
+    edge detokenizes them)."""
     wanted = committed if top_logprobs is not None else 0
     if len(verdict.logprobs) != wanted:
         raise BadVerdict(f"round {verdict.round}: {len(verdict.logprobs)} logprobs for {wanted} tokens")
-    if any(len(t.top) > (top_logprobs or 0) for t in verdict.logprobs):
-        raise BadVerdict(f"round {verdict.round}: more than {top_logprobs} top logprobs")
+    for t in verdict.logprobs:
+        if len(t.top) > (top_logprobs or 0):
+            raise BadVerdict(f"round {verdict.round}: more than {top_logprobs} top logprobs")
+        if any(not 0 <= token < vocab_size for token, _ in t.top):
+            raise BadVerdict(
+                f"round {verdict.round}: a top logprob's id outside the vocabulary of {vocab_size}"
+            )
 
 
 def check_verdict(verdict: Verdict, sent: InFlight, committed: Sequence[int], vocab_size: int) -> None:

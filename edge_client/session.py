@@ -337,7 +337,7 @@ def _bad_thin_verdict(verdict: Verdict, vocab_size: int, top_logprobs: int | Non
     if not ids and verdict.finish is None:
         return f"round {verdict.round} commits nothing and does not finish"
     try:
-        check_logprobs(verdict, len(ids), top_logprobs)
+        check_logprobs(verdict, len(ids), top_logprobs, vocab_size)
     except BadVerdict as e:
         return str(e)
     return None

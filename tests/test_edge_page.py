@@ -42,14 +42,20 @@ def page(tmp_path_factory):
         browser.close()
 
 
-def test_send_see_the_reply_stream_in_reload_and_find_it_kept(page):
-    expect(page.locator("#model")).to_contain_text("verified remotely")
-    page.fill("#max-tokens", "24")
+def ask(page, text: str, max_tokens: int):
+    """Sends `text` greedily and waits for the reply's figures; returns the reply's element."""
+    page.fill("#max-tokens", str(max_tokens))
     page.fill("#temperature", "0")
-    page.fill("#input", "Return the sum of a list.")
+    page.fill("#input", text)
     page.click("#send")
     reply = page.locator(".msg.assistant").last
     expect(reply.locator(".figures")).to_contain_text("acceptance", timeout=60_000)
+    return reply
+
+
+def test_send_see_the_reply_stream_in_reload_and_find_it_kept(page):
+    expect(page.locator("#model")).to_contain_text("verified remotely")
+    reply = ask(page, "Return the sum of a list.", 24)
     expect(reply.locator(".figures")).to_contain_text("tokens/s")
     text = reply.locator(".text").inner_text()
     assert text.strip()
@@ -166,12 +172,7 @@ def _count(edge: str, name: str) -> float:
 def test_token_probabilities_show_on_hover(page):
     page.click("#new-chat")
     page.check("#probs")
-    page.fill("#temperature", "0")
-    page.fill("#max-tokens", "16")
-    page.fill("#input", "Return the sum of a list.")
-    page.click("#send")
-    reply = page.locator(".msg.assistant").last
-    expect(reply.locator(".figures")).to_contain_text("acceptance", timeout=60_000)
+    reply = ask(page, "Return the sum of a list.", 16)
     tokens = reply.locator(".tok")
     assert tokens.count() >= 8  # one span per token (16 at most, EOS not shown)
     assert "".join(tokens.all_inner_texts()) == reply.locator(".text").inner_text()

@@ -107,3 +107,19 @@ def test_the_wire_carries_them_and_is_unchanged_without_them():
     assert not plain.HasField("top_logprobs") and not plain.sampling.HasField("repetition_penalty")
     assert plain.sampling.ByteSize() == 9  # top_p alone, as before
     assert not wire.verdict_to_proto(Verdict(1, 2, 1, 7, None, False, 4, 5)).logprobs
+
+
+def test_the_edge_refuses_logprobs_it_did_not_ask_for_or_cannot_read():
+    from edge_client.planner import BadVerdict, check_logprobs
+
+    one = (TokenLogprob(-0.5, ((3, -0.5), (4, -1.0))),)
+    verdict = Verdict(1, 2, 0, 3, None, False, 3, 3, logprobs=one)
+    check_logprobs(verdict, 1, 2, 10)  # as asked
+    for committed, top, vocab, why in (
+        (1, None, 10, "1 logprobs for 0"),
+        (2, 2, 10, "for 2 tokens"),
+        (1, 1, 10, "more than 1"),
+        (1, 2, 4, "outside the vocabulary"),
+    ):
+        with pytest.raises(BadVerdict, match=why):
+            check_logprobs(verdict, committed, top, vocab)

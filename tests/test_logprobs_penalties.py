@@ -78,20 +78,30 @@ def engine(test_pair):
     ids=["greedy", "seeded", "greedy-penalized", "seeded-penalized"],
 )
 def test_speculative_tokens_and_logprobs_equal_the_target_alone(server, test_pair, engine, params):
+    """Six sessions at once (so rounds share forward passes), of three drafts, gamma and depths."""
     prompts = heldout_prompts(test_pair.target_dir, 2, 40)
     expected = [reference(engine, p, params, NEW, 5) for p in prompts]
-    for draft, gamma, pipeline in (
-        (test_pair.draft_f16, 4, 1),
-        (test_pair.draft_q4_0, 3, 0),
-        (test_pair.other_draft_f16, 6, 2),
-    ):
-        drafter = LlamaDrafter(DrafterConfig(draft, n_ctx=256))
-        requests = [
-            GenerationRequest(p, params, NEW, gamma, ignore_eos=True, pipeline=pipeline, top_logprobs=5)
-            for p in prompts
-        ]
-        for (ids, logprobs, _), want in zip(serve(server.address, drafter, requests), expected, strict=True):
-            assert (ids, logprobs) == want, f"{draft.name}, gamma {gamma}, pipeline {pipeline}"
+    setups = [(test_pair.draft_f16, 4, 1), (test_pair.draft_q4_0, 3, 0), (test_pair.other_draft_f16, 6, 2)]
+
+    async def run():
+        async with wire.insecure_channel(server.address) as channel:
+
+            async def one(draft, gamma, pipeline, prompt):
+                session = EdgeSession(channel, LlamaDrafter(DrafterConfig(draft, n_ctx=256)))
+                request = GenerationRequest(
+                    prompt, params, NEW, gamma, ignore_eos=True, pipeline=pipeline, top_logprobs=5
+                )
+                logprobs = []
+                ids, stats = await session.run(request, logprobs)
+                return ids, logprobs, stats
+
+            return await asyncio.gather(*(one(*setup, p) for setup in setups for p in prompts))
+
+    results = asyncio.run(run())
+    for k, (ids, logprobs, _) in enumerate(results):
+        (draft, gamma, pipeline), want = setups[k // len(prompts)], expected[k % len(prompts)]
+        assert (ids, logprobs) == want, f"{draft.name}, gamma {gamma}, pipeline {pipeline}"
+    assert sum(stats.batched_with for _, _, stats in results) > sum(stats.rounds for _, _, stats in results)
     ids, logprobs = expected[0]
     assert len(logprobs) == NEW and all(len(t.top) == 5 and t.logprob <= 0.0 for t in logprobs)
     if params.greedy:  # the chosen token is the most likely one
@@ -202,3 +212,19 @@ def test_logprobs_equal_transformers_forward(smol):
                 ids_top = [i for i, _ in t.top]
                 np.testing.assert_allclose([p for _, p in t.top], row[ids_top], atol=2e-4)
                 assert sorted(row, reverse=True)[4] <= row[ids_top].min() + 1e-4  # they are the top five
+
+
+def test_the_cost_benchmark_runs_its_arms_and_finds_them_exact(smollm2_pair):
+    from tools.bench import controls
+
+    config = controls.ControlsConfig(
+        smollm2_pair, prompts=1, new_tokens=12, repeats=1, edge_cpus=(), verifier_cpus=()
+    )
+    report = asyncio.run(controls.run_all(config, log=lambda _: None))
+    assert all(report["exact"].values()), report["exact"]
+    rows = {r["arm"]: r for r in report["rows"]}
+    assert list(rows) == list(controls.ARMS) and all(r["tokens"] == 12 for r in rows.values())
+    # Logprobs travel only when asked: more bytes per token with them, and more with five alternatives.
+    plain, top0, top5 = (rows[a]["wire_bytes_per_token"] for a in ("plain", "logprobs-0", "logprobs-5"))
+    assert plain < top0 < top5
+    assert "| penalties-blind |" in controls.markdown(report)
