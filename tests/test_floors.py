@@ -46,8 +46,24 @@ def modules() -> dict[str, set[str]]:
                 if isinstance(node, ast.Import):
                     names |= {a.name for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names.add(node.module)
+                    # `from tools.bench import speed` imports tools.bench and tools.bench.speed.
+                    names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
             found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def private_imports() -> list[str]:
+    """`from our.module import _name`: a module reaching into another's private parts."""
+    found = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                    found += [
+                        f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                    ]
     return found
 
 
@@ -86,3 +102,7 @@ def test_no_circle_of_imports():
 
     for m in graph:
         visit(m)
+
+
+def test_no_module_imports_anothers_private_names():
+    assert private_imports() == []

@@ -16,6 +16,7 @@ import grpc
 from draftwire import wire
 from draftwire.contract import SamplingParams
 from draftwire.ports import PortInUse
+from tools.cliargs import add_target_numerics, id_list, rig
 
 # γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
 # the SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
@@ -94,27 +95,10 @@ _penalty = _bounded(float, -2, 2, what="-2 to 2")
 _gamma = _bounded(int, 1, what="at least 1 draft token a round (leave --gamma out to have it chosen online)")
 
 
-def _ids(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
-
-
-def _rig(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    try:
-        edge, verifier = text.split(":")
-        return _ids(edge), _ids(verifier)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not EDGE_CPUS:VERIFIER_CPUS (e.g. 0:1 or 0,1:2,3): {text!r}"
-        ) from None
-
-
 def _add_prompt(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text, tokenized by this side's tokenizer")
-    g.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
+    g.add_argument("--prompt-ids", type=id_list, help="prompt as comma-separated token ids")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
@@ -191,23 +175,6 @@ def _add_speculation(p: argparse.ArgumentParser) -> None:
     adaptive = "; unset: chosen online for the most tokens/s (adaptive)"
     p.add_argument("--gamma", type=_gamma, default=None, help="draft tokens per round" + adaptive)
     p.add_argument("--pipeline", type=_count, default=None, help=PIPELINE_HELP + adaptive)
-
-
-def _add_target_numerics(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="the target's weights and compute (auto: bfloat16 where the CPU computes it natively, else "
-        "float32, proven bit-exact at load; `draftwire doctor` shows what this machine can run)",
-    )
-    p.add_argument(
-        "--no-bit-exact",
-        dest="invariant",
-        action="store_false",
-        help="plain kernels: a position's logits then depend on what shares its forward, and the output "
-        "may differ from the target alone's at near-ties (the default kernels are bit-exact, CPU only)",
-    )
 
 
 def _add_client_security(p: argparse.ArgumentParser) -> None:
@@ -437,7 +404,7 @@ def parser() -> argparse.ArgumentParser:
         help="a file holding one token: every scrape must send `Authorization: Bearer TOKEN` (re-read at "
         "each scrape; default: no token)",
     )
-    _add_target_numerics(p)
+    add_target_numerics(p)
     _add_limits(p)
     g = p.add_argument_group("transport security (README: Running it safely)")
     g.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
@@ -509,7 +476,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reference", help="decode with the target alone, one token per forward")
     p.add_argument("--target", type=Path, required=True, help="transformers model directory")
-    _add_target_numerics(p)
+    add_target_numerics(p)
     _add_prompt(p)
     _add_sampling(p)
     _add_json(p)
@@ -550,11 +517,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive, default=48, help="length of the code prompts")
     p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
     p.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens each run generates")
-    p.add_argument("--gammas", type=_ids, default=(1, 2, 4, 6, 8), help="the fixed γ of the draftwire runs")
-    p.add_argument("--rtts", type=_ids, default=(10, 30, 80), help="round-trip times in ms")
+    p.add_argument(
+        "--gammas", type=id_list, default=(1, 2, 4, 6, 8), help="the fixed γ of the draftwire runs"
+    )
+    p.add_argument("--rtts", type=id_list, default=(10, 30, 80), help="round-trip times in ms")
     p.add_argument("--delay-gamma", type=_gamma, default=4, help="gamma of the delayed runs")
     p.add_argument(
-        "--pipelines", type=_ids, default=(0, 2), help="pipeline depths of every draftwire run (0: none)"
+        "--pipelines", type=id_list, default=(0, 2), help="pipeline depths of every draftwire run (0: none)"
     )
     p.add_argument("--draft-threads", type=_positive, default=1, help="llama.cpp threads of the draft")
     p.add_argument(
@@ -563,12 +532,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--two-device",
         metavar="EDGE_CPUS:VERIFIER_CPUS",
-        type=_rig,
+        type=rig,
         default=((), ()),
         help="pin the edge and the verifier (and the target-alone arms) to separate cores, e.g. 0:1",
     )
     p.add_argument("--temperature", type=_temperature, default=0.7, help="of the seeded sampled runs")
-    _add_target_numerics(p)
+    add_target_numerics(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
     p = sub.add_parser("models", help="make model pairs: fetch a real one, or build the demo pair")
@@ -609,7 +578,7 @@ def parser() -> argparse.ArgumentParser:
         "--web", action="store_true", help="start the edge app's web page instead of the terminal chat"
     )
     p.add_argument("--port", type=_port, default=8080, help="of the web page (--web)")
-    _add_target_numerics(p)
+    add_target_numerics(p)
 
     p = sub.add_parser(
         "doctor", help="what this machine can run: CPU features, llama.cpp's kernels, exact dtypes, models"
@@ -1175,8 +1144,9 @@ def _top(args) -> int:
 
 
 def _bench(args) -> int:
+    from tools.bench.arms import BenchConfig
     from tools.bench.prompts import chat_prompts, heldout_prompts
-    from tools.bench.speed import BenchConfig, run_all, write_outputs
+    from tools.bench.speed import run_all, write_outputs
 
     config = BenchConfig(
         target_dir=args.target,

@@ -25,7 +25,8 @@ import grpc
 
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.bench.speed import BenchConfig, Row, RowRun, _route, params_for
+from tools.bench.arms import BenchConfig, Row, params_for, route
+from tools.bench.speed import RowRun
 from tools.testkit.serverproc import ServerProcess
 
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
@@ -47,7 +48,7 @@ async def run_all(config: BenchConfig, log=print) -> dict:
     with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
         host, port = server.address.rsplit(":", 1)
         for rtt in config.rtts_ms:
-            async with _route(host, int(port), rtt) as address:
+            async with route(host, int(port), rtt) as address:
                 for mode in reference:
                     log(f"{rtt:g} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings")
                     rows += await _interleaved(config, drafter, address, server.address, mode, rtt, settings)
@@ -215,7 +216,7 @@ def model_check(rows: list[dict]) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from tools.cli import _add_target_numerics, _ids, _rig
+    from tools.cliargs import add_target_numerics, id_list, rig
 
     p = argparse.ArgumentParser(prog="python -m tools.bench.adaptive", description=__doc__)
     p.add_argument("--target", type=Path, required=True, help="transformers target directory")
@@ -224,13 +225,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
     p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gammas", type=_ids, default=(1, 2, 3, 4, 6, 8), help="the fixed grid's γ")
-    p.add_argument("--depths", type=_ids, default=(0, 1, 2), help="the fixed grid's pipeline depths")
-    p.add_argument("--rtts", type=_ids, default=(0, 10, 30, 80), help="round-trip times in ms (0: loopback)")
+    p.add_argument("--gammas", type=id_list, default=(1, 2, 3, 4, 6, 8), help="the fixed grid's γ")
+    p.add_argument("--depths", type=id_list, default=(0, 1, 2), help="the fixed grid's pipeline depths")
+    p.add_argument(
+        "--rtts", type=id_list, default=(0, 10, 30, 80), help="round-trip times in ms (0: loopback)"
+    )
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
-    p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=_rig, default=((), ()))
+    p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=rig, default=((), ()))
     p.add_argument("--temperature", type=float, default=0.7, help="of the seeded sampled runs")
-    _add_target_numerics(p)
+    add_target_numerics(p)
     p.add_argument("--out", type=Path, default=Path("runs/adaptive"), help="adaptive.json, adaptive.md")
     return p
 

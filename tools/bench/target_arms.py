@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftwire.contract import SessionSpec
-from tools.bench.speed import BenchConfig, Row, params_for
+from tools.bench.arms import BenchConfig, Row, params_for
 from verifier_service.batcher import Batcher
 from verifier_service.engine import TargetEngine
 from verifier_service.session import decode_alone

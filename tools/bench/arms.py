@@ -1,0 +1,84 @@
+"""What the speed benches share: their configuration, their rows, the sampling of a mode, and the
+address an edge dials at a simulated RTT. `speed` (the arms (c) and (d)), `target_arms` (the target alone
+and transformers' own speculation, in a child process) and `adaptive` build on it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftwire.contract import SamplingParams
+from tools.testkit.netdelay import DelayConfig, DelayProxy
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target_dir: Path  # transformers target
+    draft_gguf: Path  # the edge's draft
+    draft_hf: Path | None  # the draft's transformers form, for assisted generation; None skips (b)
+    prompts: tuple[tuple[int, ...], ...]  # prompt ids
+    max_new_tokens: int = 64
+    gammas: tuple[int, ...] = (1, 2, 4, 6, 8)
+    rtts_ms: tuple[float, ...] = (10, 30, 80)
+    delay_gamma: int = 4  # gamma of the delayed arms
+    pipelines: tuple[int, ...] = (0, 2)  # pipeline depths of every draftwire arm (0: none)
+    # llama.cpp threads of the draft. The edge and the verifier share this machine's cores here, and
+    # OpenMP workers that spin between calls take them from each other; on a device the draft has its own.
+    draft_threads: int = 1
+    verifier_threads: int = 0  # torch threads of the verifier process; 0: torch's choice
+    edge_cpus: tuple[int, ...] = ()  # cores of this process (drafter, edge session); () leaves it be
+    verifier_cpus: tuple[int, ...] = ()  # cores of the verifier and of arms (a), (b); one torch thread each
+    temperature: float = 0.7  # the sampled mode; greedy always runs
+    dtype: str = "auto"  # the target's, in every arm (TargetEngine.load)
+    invariant: bool = True  # bit-exact kernels in arms (a) and (c), (d) (TargetEngine.load)
+    seed: int = 1234
+
+
+@dataclass
+class Row:
+    arm: str  # a, b, c, d
+    label: str
+    mode: str  # greedy or sampled
+    gamma: int = 0
+    rtt_ms: float = 0.0
+    pipeline: int = 0  # proposals sent ahead of their verdicts
+    tokens: int = 0
+    wall_s: float = 0.0
+    acceptance: float | None = None
+    tokens_per_round: float | None = None
+    expected_tokens_per_round: float | None = None  # (1 - a^(g+1)) / (1 - a)
+    target_positions_per_token: float | None = None
+    bytes_per_token: float | None = None
+    round_ms_p50: float | None = None
+    round_ms_p99: float | None = None
+    draft_ms_per_round: float | None = None
+    verify_ms_per_round: float | None = None
+    wire_ms_per_round: float | None = None  # send-to-verdict time not spent verifying
+    stale_per_round: float | None = None  # pipelined proposals that came back stale, per verified round
+    model_tokens_per_s: float | None = None  # what the edge's tuner predicted for the row's (final) setting
+    speedup: float | None = None  # tokens/s over arm (a) in the same mode
+    bound_tokens_per_s: float | None = None  # zero_overhead_bound
+    share_of_bound: float | None = None  # tokens/s over the bound
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def params_for(mode: str, config: BenchConfig, index: int) -> SamplingParams:
+    """The sampling of prompt `index` in a mode: greedy, or seeded sampling with a seed per prompt."""
+    if mode == "greedy":
+        return SamplingParams()
+    return SamplingParams(temperature=config.temperature, seed=config.seed + index)
+
+
+@contextlib.asynccontextmanager
+async def route(host: str, port: int, rtt_ms: float):
+    """The address edges dial: the server itself, or a delaying proxy in front of it."""
+    if not rtt_ms:
+        yield f"{host}:{port}"
+        return
+    async with DelayProxy(DelayConfig(host, port, rtt_ms / 1000)) as proxy:
+        yield proxy.address

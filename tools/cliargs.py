@@ -1,0 +1,39 @@
+"""Argument types and groups that the CLI and the bench scripts share."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def id_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+
+
+def rig(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    try:
+        edge, verifier = text.split(":")
+        return id_list(edge), id_list(verifier)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not EDGE_CPUS:VERIFIER_CPUS (e.g. 0:1 or 0,1:2,3): {text!r}"
+        ) from None
+
+
+def add_target_numerics(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the target's weights and compute (auto: bfloat16 where the CPU computes it natively, else "
+        "float32, proven bit-exact at load; `draftwire doctor` shows what this machine can run)",
+    )
+    p.add_argument(
+        "--no-bit-exact",
+        dest="invariant",
+        action="store_false",
+        help="plain kernels: a position's logits then depend on what shares its forward, and the output "
+        "may differ from the target alone's at near-ties (the default kernels are bit-exact, CPU only)",
+    )
