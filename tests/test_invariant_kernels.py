@@ -165,13 +165,17 @@ def test_tiny_llama_logits_equal_one_position_forwards(dtype, width):
 
 
 def test_torch_float32_linear_is_not_row_invariant():
-    """Known to bite: torch's float32 F.linear (MKL) gives a row alone a different result than the same
-    row among others, so the equalities above test something."""
+    """Known to bite (on the CPUs seen so far; skipped, saying so, where not): torch's float32 F.linear
+    (MKL) gives a row alone a different result than the same row among others, so the equalities above
+    test something."""
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(1536, 576, generator=g) / 24
     x = torch.randn(9, 576, generator=g)
     alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(9)])
-    assert not torch.equal(F.linear(x, weight), alone)
+    if torch.equal(F.linear(x, weight), alone):
+        pytest.skip(
+            "torch's float32 linear happens to be row-invariant on this CPU: the control shows nothing"
+        )
 
 
 def test_torch_sdpa_is_not_query_invariant():
@@ -190,7 +194,8 @@ def test_torch_sdpa_is_not_query_invariant():
         ],
         dim=2,
     )
-    assert not torch.equal(out, alone)
+    if torch.equal(out, alone):
+        pytest.skip("torch's sdpa happens to be query-invariant on this CPU: the control shows nothing")
 
 
 def test_tiny_llama_plain_float32_is_not_invariant():
@@ -198,4 +203,5 @@ def test_tiny_llama_plain_float32_is_not_invariant():
     model = _tiny_llama(torch.float32, invariant_mode=False)
     ids = [(37 * i + 11) % 512 for i in range(60)]
     one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, 5)
-    assert not torch.equal(one, rounds)
+    if torch.equal(one, rounds):
+        pytest.skip("torch's float32 kernels happen to agree on this CPU: the control shows nothing")
