@@ -153,6 +153,18 @@ class OpenAIPenalties(LogitsProcessor):
         return scores
 
 
+class OpenAIBias(LogitsProcessor):
+    """OpenAI's logit_bias: the bias is added to the token's logit before sampling."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.bias = bias
+
+    def __call__(self, input_ids, scores):
+        for token, value in self.bias.items():
+            scores[:, token] += value
+        return scores
+
+
 @pytest.fixture(scope="module")
 def smol(smollm2_pair):
     with ServerProcess(smollm2_pair / smollm2.TARGET, "--max-gamma", "8", "--dtype", "float32") as srv:
@@ -172,12 +184,23 @@ QUESTIONS = [
 def test_penalized_greedy_equals_transformers_generate(smol):
     pair, server, model = smol
     prompts = chat_turns(pair / smollm2.TARGET, QUESTIONS)
-    params = SamplingParams(repetition_penalty=1.25, frequency_penalty=0.5, presence_penalty=0.25)
+    # A bias that changes the text: the first prompt's unpenalised greedy reply's most common token.
+    alone = GenerationRequest(prompts[0], max_new_tokens=64, ignore_eos=True, drafting=Drafting.NONE)
+    plain = serve(server.address, None, [alone])
+    common = max(set(plain[0][0]), key=plain[0][0].count)
+    bias = ((common, -3.0),)
+    params = SamplingParams(
+        logit_bias=bias, repetition_penalty=1.25, frequency_penalty=0.5, presence_penalty=0.25
+    )
     drafter = LlamaDrafter(DrafterConfig(smollm2.draft_path(pair), n_threads=1))
     requests = [GenerationRequest(p, params, 64, 5, ignore_eos=True, pipeline=1) for p in prompts]
     for prompt, (ids, _, stats) in zip(prompts, serve(server.address, drafter, requests), strict=True):
         processors = LogitsProcessorList(
-            [RepetitionPenaltyLogitsProcessor(1.25), OpenAIPenalties(len(prompt), 0.5, 0.25)]
+            [
+                OpenAIBias(dict(bias)),
+                RepetitionPenaltyLogitsProcessor(1.25),
+                OpenAIPenalties(len(prompt), 0.5, 0.25),
+            ]
         )
         x = torch.tensor([prompt])
         out = model.generate(
