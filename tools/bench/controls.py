@@ -94,9 +94,8 @@ async def run_all(config: ControlsConfig, log=print) -> dict:
     flags = ["--max-gamma", "8", "--threads", str(len(config.verifier_cpus) or 1), "--dtype", config.dtype]
     flags += ["--prefix-cache-mb", "0"]
     totals = {
-        arm: dict(
-            tokens=0, wall_s=0.0, decode_tokens=0, decode_s=0.0, rounds=0, drafted=0, accepted=0, wire_bytes=0
-        )
+        arm: dict(tokens=0, wall_s=0.0, decode_tokens=0, decode_s=0.0, rounds=0, drafted=0, accepted=0)
+        | dict(wire_bytes=0, draft_s=0.0, verify_s=0.0)
         for arm in ARMS
     }
     outputs: dict[str, list] = {arm: [] for arm in ARMS}
@@ -121,6 +120,8 @@ async def run_all(config: ControlsConfig, log=print) -> dict:
                         t["drafted"] += stats.draft_tokens
                         t["accepted"] += stats.accepted_tokens
                         t["wire_bytes"] += stats.wire_bytes
+                        t["draft_s"] += stats.draft_s  # the edge's drafting, rules included
+                        t["verify_s"] += stats.verify_s  # the verifier's forward passes, as it reports
                         if repeat == 0:
                             outputs[arm].append(ids)
     rows = []
@@ -140,6 +141,8 @@ async def run_all(config: ControlsConfig, log=print) -> dict:
                 "tokens_per_round": t["tokens"] / t["rounds"],
                 "wire_bytes_per_round": t["wire_bytes"] / t["rounds"],
                 "wire_bytes_per_token": t["wire_bytes"] / t["tokens"],
+                "draft_ms_per_draft_token": 1000 * t["draft_s"] / t["drafted"] if t["drafted"] else 0.0,
+                "verify_ms_per_round": 1000 * t["verify_s"] / t["rounds"],
             }
         )
     exact = {
@@ -175,15 +178,16 @@ def markdown(report: dict) -> str:
         "token on (the rounds alone); each prompt runs every arm, the first arm rotating.",
         "",
         "| arm | tokens/s | vs plain | decode tokens/s | vs plain | acceptance | tokens/round "
-        "| wire bytes/round | wire bytes/token |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| wire bytes/round | wire bytes/token | draft ms/draft token | verify ms/round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['arm']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.3f} | {r['decode_tokens_per_s']:.1f} "
             f"| {r['decode_vs_plain']:.3f} | {r['acceptance']:.3f} "
             f"| {r['tokens_per_round']:.2f} | {r['wire_bytes_per_round']:.1f} "
-            f"| {r['wire_bytes_per_token']:.1f} |"
+            f"| {r['wire_bytes_per_token']:.1f} | {r['draft_ms_per_draft_token']:.2f} "
+            f"| {r['verify_ms_per_round']:.1f} |"
         )
     same = {**report["exact"], **report.get("same_text", {})}
     lines += ["", "Same tokens: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in same.items())]
