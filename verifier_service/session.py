@@ -157,7 +157,6 @@ class VerifierSession:
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.last_round = 0
         self.finish: Finish | None = None
-        self.logprobs: list[TokenLogprob] = []  # the generated tokens' (this stream's), when asked for
         self.target_positions = 0  # positions the target computed for this session
         self.reused_positions = 0  # prefill positions taken from a kept cache
 
@@ -285,7 +284,6 @@ class VerifierSession:
         logprobs = ()
         if self.spec.top_logprobs is not None:  # from the rows that chose the committed tokens
             logprobs = tuple(token_logprobs(scores[: len(new)], new, params, self.spec.top_logprobs))
-            self.logprobs += logprobs
         positions = len(begun.forward.token_ids)
         self.target_positions += positions
         stats = self.stats
@@ -355,9 +353,9 @@ async def decode_alone(
     session = await VerifierSession.open(batcher, spec, VerifierLimits(min_gamma=0, max_gamma=0))
     try:
         while session.finish is None:
-            await session.play(Proposal(session.last_round + 1, len(session.committed), ()))
-        if logprobs is not None:
-            logprobs += session.logprobs
+            verdict = await session.play(Proposal(session.last_round + 1, len(session.committed), ()))
+            if logprobs is not None:
+                logprobs += verdict.logprobs
         return session.generated
     finally:
         session.close()
