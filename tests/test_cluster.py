@@ -28,6 +28,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.testkit.fakes import Paced
+from tools.testkit.localray import local_ray
 from verifier_service.admission import AdmissionConfig
 from verifier_service.auth import Identity
 from verifier_service.engine import TargetEngine, model_name
@@ -59,15 +60,8 @@ class LoopThread:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process and the cluster it starts; see docs/cluster.md
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = saved
+    with local_ray(num_cpus=4):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -284,10 +284,11 @@ def test_mtls_needs_a_client_certificate_whose_name_stands_for_the_token(certs, 
 def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs, tokens_file, reference):
     """One replica behind the front, TLS and tokens: exact output through the front, stats for admins,
     and the replica (TLS with the front's certificate) refuses a client's token and plaintext alike."""
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
     from cluster.front import Front
     from cluster.pool import Pool
+    from tools.testkit.localray import local_ray
     from verifier_service.servicer import ServerConfig
 
     tls = TlsConfig.from_files(certs.cert("server"), certs.key("server"))
@@ -334,14 +335,5 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
             await front.stop(0)
             await pool.close()
 
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private loopback cluster, as in test_cluster.py
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray(num_cpus=2):
         asyncio.run(scenario())
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
