@@ -5,8 +5,9 @@ the cache back to the positions the caller keeps, then runs the new tokens on to
 costs gamma + 1 positions and never recomputes the prefix. A finished session's cache can be kept a
 while (`PrefixCache`): a new session whose tokens start with a kept one's adopts it, so the next turn
 of a conversation computes only its new tokens. Cache layers append in place into spare
-capacity. A batch of sessions runs the projections and MLPs of all rows as one pass, while each row's
-attention reads its own session's cache where it lies: nothing is gathered or padded per round.
+capacity. A batch of sessions runs as one packed sequence: the projections and MLPs see every row's
+new positions one after another, with no padding, while each row's attention reads its own session's
+cache where it lies: nothing is gathered, copied or padded per round.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class _Rows:
 
 class _RowsLayer:
     """One layer of a batch, as transformers' attention modules see it: `update` appends each row's new
-    positions to its session's layer (and not the padding after them) and hands on the rows."""
+    positions (its stretch of the packed sequence) to its session's layer and hands on the rows."""
 
     is_sliding = False
 
@@ -115,10 +116,15 @@ class _RowsLayer:
         self.sessions, self.widths, self.masks, self.exact = sessions, widths, masks, exact
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states, value_states  # [rows, kv_heads, width, head_dim]
+        # key_states, value_states  # [1, kv_heads, sum(widths), head_dim]: the rows one after another
         held = [
-            layer.append(key_states[r : r + 1, :, :n], value_states[r : r + 1, :, :n])
-            for r, (layer, n) in enumerate(zip(self.sessions, self.widths, strict=True))
+            layer.append(keys, values)
+            for layer, keys, values in zip(
+                self.sessions,
+                key_states.split(self.widths, dim=2),
+                value_states.split(self.widths, dim=2),
+                strict=True,
+            )
         ]
         keys, values = ([states[i] for states in held] for i in (0, 1))
         return (
@@ -141,41 +147,34 @@ ROWS_ATTENTION = "draftwire_rows"
 
 
 def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """A transformers attention function: each row of the batch attends over its own session's keys and
-    values (from `_RowsCache`), causally, with no padding and no copy of the cache.
+    """A transformers attention function: each row of the batch, a stretch of one packed sequence,
+    attends over its own session's keys and values (from `_RowsCache`), causally, with no padding and no
+    copy of the cache.
 
-    query  # [rows, heads, width, head_dim]; key, value: _Rows
-    returns (output [rows, width, heads, head_dim], None); padding positions come out as zeros.
+    query  # [1, heads, sum(widths), head_dim]; key, value: _Rows
+    returns (output [1, sum(widths), heads, head_dim], None)
     """
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("the verifier's attention does not support attention sinks")
     if not isinstance(key, _Rows):
         raise TypeError("rows_attention reads the sessions' caches: run the model through TargetEngine")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    _, heads, width, head_dim = query.shape
     outputs = []
-    for r, (keys, values, n) in enumerate(zip(key.states, value.states, key.widths, strict=True)):
+    for rows, keys, values in zip(query.split(key.widths, dim=2), key.states, value.states, strict=True):
         if key.exact:
-            out = exact_attention(query[r : r + 1, :, :n], keys, values, scaling, window, softcap)
-            if n < width:
-                out = torch.cat([out, out.new_zeros(1, width - n, heads, head_dim)], dim=1)
-            outputs.append(out)
+            outputs.append(exact_attention(rows, keys, values, scaling, window, softcap))
             continue
-        shape = (n, keys.shape[-2], window)
+        shape = (rows.shape[2], keys.shape[-2], window)
         if shape not in key.masks:
             key.masks[shape] = _causal_mask(*shape, query.device)
-        one = (query[r : r + 1, :, :n], keys, values)
         if softcap is None:
             out = torch.nn.functional.scaled_dot_product_attention(
-                *one, attn_mask=key.masks[shape], scale=scaling, enable_gqa=True
+                rows, keys, values, attn_mask=key.masks[shape], scale=scaling, enable_gqa=True
             )
         else:
-            out = softcapped_attention(*one, scaling, softcap, key.masks[shape])
-        out = out.transpose(1, 2)  # [1, n, heads, head_dim]
-        if n < width:
-            out = torch.cat([out, out.new_zeros(1, width - n, heads, head_dim)], dim=1)
-        outputs.append(out)
-    return torch.cat(outputs), None
+            out = softcapped_attention(rows, keys, values, scaling, softcap, key.masks[shape])
+        outputs.append(out.transpose(1, 2))  # [1, n, heads, head_dim]
+    return torch.cat(outputs, dim=1), None
 
 
 def _causal_mask(new: int, held: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -517,16 +516,7 @@ class TargetEngine:
             raise ValueError("one forward per session in a batch")
         caches = [self._cut(f.key, f.keep) for f in forwards]
         live = [(f, c) for f, c in zip(forwards, caches, strict=True) if f.token_ids]
-        by_key = {}
-        # Prefills run with prefills and rounds with rounds: a long prefill in a batch of rounds would
-        # pad every round to its length. A prefill chunk no wider than the rounds rides with them, saving
-        # a pass over the weights (the batcher's time-bounded chunks, Batcher.prefill_room).
-        width = max((len(f.token_ids) for f, _ in live if f.wants_logits), default=0)
-        rides = {f.key for f, _ in live if not f.wants_logits and len(f.token_ids) <= width}
-        for with_rounds in (False, True):
-            group = [(f, c) for f, c in live if (f.wants_logits or f.key in rides) == with_rounds]
-            if group:
-                by_key.update(zip((f.key for f, _ in group), self._run(group), strict=True))
+        by_key = dict(zip((f.key for f, _ in live), self._run(live), strict=True)) if live else {}
         empty = torch.empty(0, self.info.vocabulary.size)
         return [by_key.get(f.key, empty) if f.wants_logits else None for f in forwards]
 
@@ -542,25 +532,24 @@ class TargetEngine:
         return cache
 
     def _run(self, live: list[tuple[Forward, _Cache]]) -> list[torch.Tensor | None]:
-        # Each row: its session's new tokens, right-padded to the longest, at the session's own
-        # positions; attention reads each session's cache where it lies (rows_attention).
+        # The rows packed into one sequence, each at its session's own positions, with no padding: the
+        # projections and MLPs cost the batch's real positions, and a prefill chunk beside rounds adds
+        # only its own. Attention reads each session's cache where it lies (rows_attention). Logits are
+        # computed only for the rows that want them.
         widths = [len(f.token_ids) for f, _ in live]
-        width = max(widths)
-        ids = torch.zeros(len(live), width, dtype=torch.long)
-        positions = torch.zeros(len(live), width, dtype=torch.long)
         held = [c.length for _, c in live]
-        for r, (f, c) in enumerate(live):
-            ids[r, : widths[r]] = torch.tensor(f.token_ids)
-            # Padding repeats the row's last position: it is never cached nor read, and stays inside
-            # the model's position range.
-            positions[r] = c.length + torch.arange(width).clamp(max=widths[r] - 1)
+        ids = torch.tensor([t for f, _ in live for t in f.token_ids])
+        positions = torch.cat([torch.arange(n) + start for n, start in zip(widths, held, strict=True)])
+        starts = [0, *itertools.accumulate(widths)]
+        wanted = [r for r, (f, _) in enumerate(live) if f.wants_logits]
+        keep = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in wanted]) if wanted else 1
         try:
             out = self.model(
-                input_ids=ids.to(self.device),
-                position_ids=positions.to(self.device),
+                input_ids=ids[None].to(self.device),
+                position_ids=positions[None].to(self.device),
                 past_key_values=_RowsCache([c.layers for _, c in live], widths, self.invariant),
                 use_cache=True,
-                logits_to_keep=0 if any(f.wants_logits for f, _ in live) else 1,
+                logits_to_keep=keep,
             )
         except BaseException:
             # A failure part-way leaves some layers appended: put every row back as it was.
@@ -570,11 +559,12 @@ class TargetEngine:
             raise
         for f, c in live:
             c.tokens += f.token_ids
-        vocab = self.info.vocabulary.size
-        return [
-            out.logits[r, :n, :vocab].float().cpu() if f.wants_logits else None
-            for r, ((f, _), n) in enumerate(zip(live, widths, strict=True))
-        ]
+        results: list[torch.Tensor | None] = [None] * len(live)
+        if wanted:
+            logits = out.logits[0, :, : self.info.vocabulary.size].float().cpu()
+            for r, rows in zip(wanted, logits.split([widths[r] for r in wanted]), strict=True):
+                results[r] = rows
+        return results
 
     def release(self, key: str) -> None:
         """Ends session `key`: its cache is kept for a session that extends it if the prefix cache is on
