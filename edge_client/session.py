@@ -221,14 +221,16 @@ class EdgeSession:
     async def _thin_stream(
         self, request: GenerationRequest, stats: GenerationStats, generated: list[int], logprobs: list
     ) -> AsyncIterator[list[int]]:
-        """One thin Session stream: the open, then the verdicts of the rounds the verifier plays itself."""
+        """One thin Session stream: the open, then the verdicts of the rounds the verifier plays itself.
+        Each batch of tokens is yielded to the reader first and acknowledged (a Read) once it has taken
+        them, every read_ahead / 2 tokens: the verifier decodes no further ahead of the reader than
+        its read_ahead."""
         await self.model_info()
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
         try:
             await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated, stats)), stats)
-            await call.done_writing()
-            finish = None
+            finish, read = None, None
             while finish is None:
                 verdict = await inbox.get(self.timeouts.verdict_s)
                 if bad := _bad_thin_verdict(verdict, self._info.target.vocabulary.size, request.top_logprobs):
@@ -248,6 +250,16 @@ class EdgeSession:
                     generated += new
                     logprobs += verdict.logprobs
                     yield new
+                if read is None:  # the open's committed length: the verifier counts from there
+                    read = verdict.committed_length - len(new)
+                if (
+                    finish is None
+                    and inbox.read_ahead
+                    and 2 * (verdict.committed_length - read) >= inbox.read_ahead
+                ):
+                    read = verdict.committed_length
+                    await self._write(call, pb.EdgeMessage(read=pb.Read(committed_length=read)), stats)
+            await call.done_writing()
         except grpc.aio.AioRpcError as e:
             raise VerifierError(e.code(), e.details() or "") from None
         finally:
@@ -349,6 +361,7 @@ class _Inbox:
 
     def __init__(self, call, stats: GenerationStats):
         self.opened = False  # the verifier answered the open message
+        self.read_ahead = 0  # a thin session: tokens the verifier decodes past the last Read (0: no Reads)
         self.arrived: dict[int, float] = {}  # round -> when its verdict arrived (perf_counter)
         self.stats = stats
         self._queue: asyncio.Queue[Verdict | VerifierError] = asyncio.Queue()
@@ -392,6 +405,7 @@ class _Inbox:
                     self._queue.put_nowait(verdict)
                 elif kind == "opened":
                     self.opened = True
+                    self.read_ahead = message.opened.read_ahead
                     self.stats.reused_positions = message.opened.reused_positions
                     self.stats.numerics = self.stats.numerics or message.opened.numerics
         except grpc.aio.AioRpcError as e:

@@ -5,6 +5,7 @@ output is the target alone's, greedy and seeded."""
 import asyncio
 import json
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -15,7 +16,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
 from tools.bench.prompts import heldout_prompts
-from tools.testkit.serverproc import DRAFTWIRE
+from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
@@ -139,3 +140,109 @@ def test_a_thin_open_with_a_bad_prompt_is_refused(server):
     with pytest.raises(VerifierError) as refused:
         asyncio.run(run())
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def short_reads(test_pair):
+    """Thin sessions decoded at most 8 tokens past what their edge has read; silent ones end after 3 s."""
+    args = ["--dtype", "float32", "--thin-read-ahead", "8", "--idle-timeout-s", "3"]
+    with ServerProcess(test_pair.target_dir, *args) as server:
+        yield server
+
+
+def _thin_open(prompt, max_new: int, drafting=pb.DRAFTING_NONE) -> pb.EdgeMessage:
+    stop = pb.StopConditions(max_new_tokens=max_new, ignore_eos=True)
+    return pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt, stop=stop, drafting=drafting))
+
+
+class _Replies:
+    """A stream's replies as they arrive, read by a task of its own (a read is never cancelled)."""
+
+    def __init__(self, call):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.create_task(self._read(call))
+
+    async def _read(self, call):
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                self.queue.put_nowait(message)
+        except grpc.aio.AioRpcError as e:
+            self.queue.put_nowait(e)
+
+    async def committed_until_quiet(self, quiet_s: float = 1.0) -> int | None:
+        """The committed length of the last verdict before none arrives for `quiet_s`."""
+        last = None
+        while True:
+            try:
+                message = await asyncio.wait_for(self.queue.get(), quiet_s)
+            except TimeoutError:
+                return last
+            if isinstance(message, grpc.aio.AioRpcError):
+                raise message
+            if message.WhichOneof("kind") == "verdict":
+                last = message.verdict.committed_length
+
+    async def error(self, within_s: float) -> grpc.aio.AioRpcError:
+        while not isinstance(
+            message := await asyncio.wait_for(self.queue.get(), within_s), grpc.aio.AioRpcError
+        ):
+            pass
+        return message
+
+
+def test_a_thin_session_runs_no_further_ahead_of_its_reader_than_read_ahead(short_reads):
+    async def run():
+        async with grpc.aio.insecure_channel(short_reads.address) as channel:
+            call = pb_grpc.VerifierStub(channel).Session()
+            await call.write(_thin_open([5, 6, 7], 400))
+            replies = _Replies(call)
+            opened = (await replies.queue.get()).opened
+            unread = await replies.committed_until_quiet()
+            await call.write(pb.EdgeMessage(read=pb.Read(committed_length=3 + 5)))
+            after_read = await replies.committed_until_quiet()
+            start = time.monotonic()
+            silent = await replies.error(10)
+            return opened, unread, after_read, silent, time.monotonic() - start
+
+    opened, unread, after_read, silent, waited = asyncio.run(run())
+    # The target alone commits one token a round: exactly read_ahead past the open, then past the Read.
+    assert opened.read_ahead == 8 and opened.committed_length == 3
+    assert unread == 3 + 8 and after_read == 3 + 5 + 8
+    # An edge that reads no more holds nothing for long: the idle timeout ends the session.
+    assert silent.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited < 3 + 2
+
+
+@pytest.mark.parametrize(
+    "drafting, read, refusal",
+    [
+        (pb.DRAFTING_NONE, 3 + 9, "read up to 12"),  # past the committed tokens
+        (pb.DRAFTING_NONE, 2, "read up to 2"),  # before the open's committed length
+        (pb.DRAFTING_EDGE, 3, "only a thin session"),
+    ],
+)
+def test_a_read_out_of_bounds_or_in_an_edge_session_is_refused(short_reads, drafting, read, refusal):
+    async def run():
+        async with grpc.aio.insecure_channel(short_reads.address) as channel:
+            call = pb_grpc.VerifierStub(channel).Session()
+            await call.write(_thin_open([5, 6, 7], 400, drafting))
+            replies = _Replies(call)
+            await replies.committed_until_quiet(0.5)
+            await call.write(pb.EdgeMessage(read=pb.Read(committed_length=read)))
+            return await replies.error(10)
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and refusal in error.details()
+
+
+@pytest.mark.parametrize("drafting", [Drafting.NONE, Drafting.NGRAM])
+def test_an_edge_that_reads_goes_past_read_ahead_to_the_target_alone_s_tokens(short_reads, engine, drafting):
+    prompt = tuple([5, 9, 14, 20, 33, 41, 52, 60] * 3)
+    expected = reference_decode(engine, SessionSpec(prompt, max_new_tokens=40, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(short_reads.address) as channel:
+            request = GenerationRequest(prompt, max_new_tokens=40, ignore_eos=True, drafting=drafting)
+            return await EdgeSession(channel, None).run(request)
+
+    ids, _ = asyncio.run(run())
+    assert ids == expected

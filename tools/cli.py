@@ -228,6 +228,12 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         "time (measured), so rounds are not stuck behind long prompts",
     )
     g.add_argument(
+        "--thin-read-ahead",
+        type=_positive,
+        default=64,
+        help="a thin session is decoded at most this many tokens past what its edge has read",
+    )
+    g.add_argument(
         "--max-stale-in-a-row", type=_count, default=64, help="stale proposals in a row that end a session"
     )
     g.add_argument("--max-stale-per-s", type=_count, default=0, help="stale proposals per session per second")
@@ -752,7 +758,7 @@ def _serve(args) -> int:
         args.host,
         args.port,
         args.max_message_bytes,
-        VerifierLimits(max_gamma=args.max_gamma),
+        VerifierLimits(max_gamma=args.max_gamma, read_ahead=args.thin_read_ahead),
         BatchConfig(
             max_batch=args.max_batch,
             window_s=args.batch_window_ms / 1000,

@@ -135,7 +135,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Session(self, request_iterator, context):
         """Translates the stream: open, then one verdict per proposal (a thin session: one per round the
-        verifier plays itself, to the finish); a SessionError becomes a status.
+        verifier plays itself, to the finish, at most read_ahead tokens past the edge's last Read); a
+        SessionError becomes a status.
 
         After a finish the stream stays open until the edge half-closes; a proposal sent meanwhile is
         answered stale if the finish made it obsolete, else refused (FAILED_PRECONDITION).
@@ -174,15 +175,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         committed_length=len(session.committed),
                         reused_positions=session.reused_positions,
                         numerics=self.engine.numerics.identity,
+                        read_ahead=session.limits.read_ahead if session.spec.thin else 0,
                     )
                     await lifetime.sent(context.write(pb.VerifierMessage(opened=opened)))
-                    # A thin session: the verifier decodes it to the finish on its own.
-                    while session.spec.thin and session.finish is None:
-                        lifetime.check()
-                        verdict = await session.play(session.own_proposal())
-                        await lifetime.sent(
-                            context.write(pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict)))
-                        )
+                elif kind == "read":
+                    session.read(message.read.committed_length)
                 elif session.spec.thin:
                     raise InvalidRequest("a thin session takes no proposals: the verifier drafts for it")
                 elif kind != "proposal":
@@ -192,6 +189,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     stale_in_a_row = stale_in_a_row + 1 if verdict.stale else 0
                     if verdict.stale:
                         self._check_stale(stale_in_a_row, stale, loop.time())
+                    await lifetime.sent(
+                        context.write(pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict)))
+                    )
+                # A thin session: the verifier plays its rounds itself, up to read_ahead past what the
+                # edge has read; then it waits for the edge's next Read.
+                while session.plays_on:
+                    lifetime.check()
+                    verdict = await session.play(session.own_proposal())
                     await lifetime.sent(
                         context.write(pb.VerifierMessage(verdict=wire.verdict_to_proto(verdict)))
                     )

@@ -62,6 +62,9 @@ class VerifierLimits:
     max_gamma: int = 16  # most draft tokens per proposal
     min_gamma: int = 1  # the reference decoder runs rounds of 0 draft tokens
     max_stop_token_ids: int = 256  # stop ids an open may name (every other repeated field is bounded too)
+    # A thin session is decoded at most this many tokens (plus one round) past what its edge has read
+    # (its last Read): one whose edge reads nothing costs the engine a bounded share, then waits.
+    read_ahead: int = 64
 
 
 @dataclass
@@ -155,6 +158,7 @@ class VerifierSession:
             )
         self.stop_token_ids = stop_set(spec.stop_token_ids, spec.ignore_eos, info.eos_token_ids)
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
+        self.read_length = len(self.committed)  # a thin session: what its edge says it has read
         self.last_round = 0
         self.finish: Finish | None = None
         self.target_positions = 0  # positions the target computed for this session
@@ -220,6 +224,25 @@ class VerifierSession:
         if verdict.finish is not None:
             self.close()
         return verdict
+
+    def read(self, committed_length: int) -> None:
+        """A thin session's edge has read the verdicts up to `committed_length`. Raises InvalidRequest
+        for an edge session, or a length below an earlier one or past the committed tokens."""
+        if not self.spec.thin:
+            raise InvalidRequest("only a thin session sends `read`: an edge session sends proposals")
+        if not self.read_length <= committed_length <= len(self.committed):
+            raise InvalidRequest(
+                f"read up to {committed_length}: must be between the last read ({self.read_length}) "
+                f"and the committed length ({len(self.committed)})"
+            )
+        self.read_length = committed_length
+
+    @property
+    def plays_on(self) -> bool:
+        """Whether the verifier plays a thin session's next round now: it is not finished, and is less
+        than `read_ahead` tokens past what its edge has read."""
+        ahead = len(self.committed) - self.read_length
+        return self.spec.thin and self.finish is None and ahead < self.limits.read_ahead
 
     def own_proposal(self) -> Proposal:
         """A thin session's next round: the verifier's own draft (prompt lookup, or none) from the

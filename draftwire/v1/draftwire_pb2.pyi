@@ -147,24 +147,34 @@ class Proposal(_message.Message):
     def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EdgeMessage(_message.Message):
-    __slots__ = ("open", "proposal")
+    __slots__ = ("open", "proposal", "read")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     proposal: Proposal
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
+    read: Read
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ...) -> None: ...
+
+class Read(_message.Message):
+    __slots__ = ("committed_length",)
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    committed_length: int
+    def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "committed_length", "reused_positions", "numerics")
+    __slots__ = ("session_id", "committed_length", "reused_positions", "numerics", "read_ahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REUSED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_length: int
     reused_positions: int
     numerics: str
-    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
+    read_ahead: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ..., read_ahead: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap", "logprobs")
