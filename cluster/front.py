@@ -28,6 +28,7 @@ from cluster.pool import NoReplica, NoSuchNumerics, Pool
 from cluster.routing import State, soonest
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
+from verifier_service.lifecycle import LifetimeConfig, revocation
 from verifier_service.servicer import (
     RETRY_AFTER,
     SERVICE,
@@ -142,45 +143,62 @@ class Front:
             return
         tried, refusals = set(), []
         numerics = _required_numerics(first)
-        while True:
-            try:
-                slot = await self.pool.acquire(exclude=tried, numerics=numerics)
-            except NoSuchNumerics as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except NoReplica as e:
-                if refusals:  # every live replica refused: the edge hears the soonest retry
-                    await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            tried.add(slot.name)
-            # An anonymous edge is known by its connection to the front, so that the replica keeps
-            # its caches for it alone (not for every anonymous edge the front speaks for).
-            client = auth.caller()
-            metadata = self.pool.hop_metadata(auth.Identity(client_of(client, context), client.admin))
-            call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
-            up = None
-            try:
-                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-                    await call.write(first)  # a replica that ended the stream: the read says why
-                # Only the open goes before the replica's first reply: the edge's next messages wait
-                # unread, so if this replica refuses the session the next one can take it whole.
-                reply = await call.read()
-                up = asyncio.get_running_loop().create_task(_pump(messages, call))
-                while reply is not grpc.aio.EOF:
-                    yield reply
+        # The edge's credentials are checked again while the session runs, as on a single verifier (the
+        # replicas trust the front): once revoked, the replica's call is cancelled and the edge told.
+        calls, revoked = [], []
+        watch = None
+        if (again := auth.recheck()) is not None:
+            watch = asyncio.get_running_loop().create_task(
+                _revoke(again, self.config.lifetime, calls, revoked)
+            )
+        try:
+            while True:
+                try:
+                    slot = await self.pool.acquire(exclude=tried, numerics=numerics)
+                except NoSuchNumerics as e:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                except NoReplica as e:
+                    if refusals:  # every live replica refused: the edge hears the soonest retry
+                        await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                tried.add(slot.name)
+                # An anonymous edge is known by its connection to the front, so that the replica keeps
+                # its caches for it alone (not for every anonymous edge the front speaks for).
+                client = auth.caller()
+                metadata = self.pool.hop_metadata(auth.Identity(client_of(client, context), client.admin))
+                call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
+                calls[:] = [call]
+                up = None
+                try:
+                    with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                        await call.write(first)  # a replica that ended the stream: the read says why
+                    # Only the open goes before the replica's first reply: the edge's next messages wait
+                    # unread, so if this replica refuses the session the next one can take it whole.
                     reply = await call.read()
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and up is None:
-                    refusals.append(e)  # refused at the open (admission): try another replica
-                    continue
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.pool.replica_failed(slot)
-                await _abort(context, e)
-            finally:
-                if up is not None:
-                    up.cancel()
-                call.cancel()
-                self.pool.release(slot)
+                    up = asyncio.get_running_loop().create_task(_pump(messages, call))
+                    while reply is not grpc.aio.EOF:
+                        yield reply
+                        reply = await call.read()
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and up is None:
+                        refusals.append(e)  # refused at the open (admission): try another replica
+                        continue
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.pool.replica_failed(slot)
+                    await _abort(context, e)
+                except asyncio.CancelledError:
+                    if not revoked:  # the edge went away
+                        raise
+                    await context.abort(revoked[0].code, str(revoked[0]))
+                finally:
+                    if up is not None:
+                        up.cancel()
+                    call.cancel()
+                    self.pool.release(slot)
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     async def _model_info(self, request: bytes, context) -> bytes:
         try:
@@ -253,6 +271,14 @@ def _retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
         return int(hint) if hint is not None else None
     except ValueError:
         return None
+
+
+async def _revoke(again, lifetime: LifetimeConfig, calls: list, revoked: list) -> None:
+    """Waits for the edge's credentials to be revoked (lifecycle.revocation), then records how the
+    session ends in `revoked` and cancels the replica's call in `calls`."""
+    revoked.append(await revocation(again, lifetime.recheck_s))
+    for call in calls:
+        call.cancel()
 
 
 async def _pump(request_iterator, call) -> None:

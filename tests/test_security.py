@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -281,9 +282,10 @@ def test_mtls_needs_a_client_certificate_whose_name_stands_for_the_token(certs, 
         assert stats.sessions_opened >= 1  # a token names the client over its certificate
 
 
-def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs, tokens_file, reference):
+def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs, tmp_path, reference):
     """One replica behind the front, TLS and tokens: exact output through the front, stats for admins,
-    and the replica (TLS with the front's certificate) refuses a client's token and plaintext alike."""
+    the replica (TLS with the front's certificate) refuses a client's token and plaintext alike, and a
+    token revoked at the front ends its open session there, with UNAUTHENTICATED, within seconds."""
     pytest.importorskip("ray")
     from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
     from cluster.front import Front
@@ -291,6 +293,8 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
     from tools.testkit.localray import local_ray
     from verifier_service.servicer import ServerConfig
 
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(TOKENS)
     tls = TlsConfig.from_files(certs.cert("server"), certs.key("server"))
     front_config = ServerConfig(host="127.0.0.1", port=0, tls=tls, auth=AuthConfig(tokens_file=tokens_file))
     config = PoolConfig(
@@ -331,6 +335,27 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         await pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
                     assert e.value.code() == code
+            async with wire.channel(address, creds(certs, "bob-token")) as channel:
+                call = pb_grpc.VerifierStub(channel).Session()
+                stop = pb.StopConditions(max_new_tokens=64, ignore_eos=True)
+                await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=PROMPT, stop=stop)))
+                assert (await call.read()).WhichOneof("kind") == "opened"
+                new = tokens_file.with_suffix(".new")
+                new.write_text(TOKENS.replace("bob bob-token", "# bob revoked"))
+                new.replace(tokens_file)
+                revoked_at = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()
+                took = time.monotonic() - revoked_at
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in e.value.details()
+                assert took < 2 * config.front.lifetime.recheck_s + 2
+            async with wire.channel(address, creds(certs, "ops-token")) as channel:
+                for _ in range(100):  # the replica's session ended with the front's call
+                    stats = await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
+                    if stats.active_sessions == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert stats.active_sessions == 0
         finally:
             await front.stop(0)
             await pool.close()

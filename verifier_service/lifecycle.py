@@ -38,6 +38,19 @@ def cut_off() -> Ended:
     return Ended(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
 
+async def revocation(admitted: Callable, every_s: float) -> Ended:
+    """Rechecks a session's credentials every `every_s` (`admitted()`: None while they admit it, else a
+    refusal with `code` and `message`) and returns how the session ends once two checks in a row
+    refuse it: within 2 × every_s of a revocation, and a token file caught mid-write ends nothing."""
+    refused_before = False
+    while True:
+        await asyncio.sleep(every_s)
+        refusal = admitted()
+        if refusal is not None and refused_before:
+            return Ended(refusal.code, refusal.message)
+        refused_before = refusal is not None
+
+
 class Lifetime:
     """One session's clock: since when it is open, the server-wide `cut` that ends it, and the recheck of
     its credentials (`admitted()`: None while they still admit it, else a refusal with `code` and
@@ -56,15 +69,8 @@ class Lifetime:
             self._watch.cancel()
 
     async def _recheck(self, admitted: Callable) -> None:
-        refused_before = False
-        while True:
-            await asyncio.sleep(self.config.recheck_s)
-            refusal = admitted()
-            if refusal is not None and refused_before:
-                self._revocation = Ended(refusal.code, refusal.message)
-                self.revoked.set()
-                return
-            refused_before = refusal is not None
+        self._revocation = await revocation(admitted, self.config.recheck_s)
+        self.revoked.set()
 
     def age_left(self) -> float:
         return self.config.max_age_s - (asyncio.get_running_loop().time() - self.opened_at)
