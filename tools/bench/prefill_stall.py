@@ -1,7 +1,10 @@
 """A bystander's rounds while long prompts arrive: prefill bounded by time (serve --prefill-share) against
-positions alone (--prefill-share 0), side by side on the same target and the same rig.
+positions alone (--prefill-share 0), side by side on the same target and the same rig. With --thin N,
+the flood is N thin sessions whose edge never reads (`serve --thin-read-ahead`, each arm's value from
+--read-aheads) instead of long prompts.
 
     python -m tools.bench.prefill_stall [--target DIR] [--prompt-tokens 5000] [--floods 2]
+    python -m tools.bench.prefill_stall --thin 50 --thin-tokens 1000 --read-aheads 64,100000
 
 Each arm starts its own `serve` pinned to the verifier's core. A bystander (on the other core) plays
 rounds of 5 draft tokens with a 20 ms pause between them (its draft), first alone, then while `--floods`
@@ -29,8 +32,11 @@ from tools.testkit.serverproc import ServerProcess
 SMOLLM2 = Path.home() / ".local/share/draftwire/models/smollm2/target"
 
 
-async def bystander_rounds(stub, stop: asyncio.Event, pause_s: float, out: list[float]) -> None:
-    """Plays rounds until `stop`, appending each round's time (request to verdict) to `out`."""
+async def bystander_rounds(
+    stub, stop: asyncio.Event, pause_s: float, out: list[float], tokens: list[int] | None = None
+) -> None:
+    """Plays rounds until `stop`, appending each round's time (request to verdict) to `out`, and the
+    tokens it committed to `tokens`."""
     call = stub.Session()
     prompt = [random.Random(1).randrange(100, 40000) for _ in range(32)]
     stop_at = pb.StopConditions(max_new_tokens=4000, ignore_eos=True)
@@ -42,8 +48,10 @@ async def bystander_rounds(stub, stop: asyncio.Event, pause_s: float, out: list[
         start = time.perf_counter()
         proposal = pb.Proposal(round=round_, start_position=length, draft_token_ids=[100, 101, 102, 103, 104])
         await call.write(pb.EdgeMessage(proposal=proposal))
-        length = (await call.read()).verdict.committed_length
+        before, length = length, (await call.read()).verdict.committed_length
         out.append(time.perf_counter() - start)
+        if tokens is not None:
+            tokens.append(length - before)
         await asyncio.sleep(pause_s)
     call.cancel()
 
@@ -59,19 +67,45 @@ async def flood(stub, tokens: int, seed: int) -> None:
     call.cancel()
 
 
+async def thin_flood(stub, sessions: int, tokens: int) -> list:
+    """`sessions` thin sessions (the target alone) of `tokens` new tokens whose edge never reads a
+    verdict nor sends a Read; returns their calls, left open."""
+    stop_at = pb.StopConditions(max_new_tokens=tokens, ignore_eos=True)
+    calls = []
+    for seed in range(sessions):
+        prompt = [random.Random(seed).randrange(100, 40000) for _ in range(16)]
+        call = stub.Session()
+        await call.write(
+            pb.EdgeMessage(
+                open=pb.OpenSession(prompt_token_ids=prompt, stop=stop_at, drafting=pb.DRAFTING_NONE)
+            )
+        )
+        calls.append(call)
+    return calls
+
+
 async def arm(address: str, args) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         await flood(stub, 64, 99)  # warm-up
-        stop, alone = asyncio.Event(), []
-        task = asyncio.create_task(bystander_rounds(stub, stop, args.pause_ms / 1000, alone))
+        stop, alone, tokens = asyncio.Event(), [], []
+        task = asyncio.create_task(bystander_rounds(stub, stop, args.pause_ms / 1000, alone, tokens))
         await asyncio.sleep(args.alone_s)
         crowded: list[float] = []
         mark = len(alone)
+        before = await stub.GetStats(pb.StatsRequest())
         start = time.perf_counter()
-        for seed in range(args.floods):
-            await flood(stub, args.prompt_tokens, seed)
+        if args.thin:
+            calls = await thin_flood(stub, args.thin, args.thin_tokens)
+            await asyncio.sleep(args.thin_s)
+            for call in calls:
+                call.cancel()
+        else:
+            for seed in range(args.floods):
+                await flood(stub, args.prompt_tokens, seed)
         prefill_s = time.perf_counter() - start
+        after = await stub.GetStats(pb.StatsRequest())
+        bystander_tokens = sum(tokens[mark:])
         crowded = alone[mark:]
         stop.set()
         await task
@@ -87,6 +121,8 @@ async def arm(address: str, args) -> dict:
         "p95_over_alone": round(crowded[int(0.95 * (len(crowded) - 1))] / base, 2),
         "rounds_crowded": len(crowded),
         "floods_s": round(prefill_s, 1),
+        "flood_tokens": after.generated_tokens - before.generated_tokens - bystander_tokens,
+        "engine_s": round(after.engine_seconds - before.engine_seconds, 1),
     }
 
 
@@ -99,14 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alone-s", type=float, default=5.0)
     p.add_argument("--shares", default="0.5,0", help="the --prefill-share of each arm")
     p.add_argument("--verifier-cpu", type=int, default=1)
+    p.add_argument("--thin", type=int, default=0, help="flood with this many unread thin sessions instead")
+    p.add_argument("--thin-tokens", type=int, default=1000, help="new tokens each thin session asks for")
+    p.add_argument("--thin-s", type=float, default=20.0, help="how long the thin sessions stay open")
+    p.add_argument("--read-aheads", default="64,100000", help="with --thin: each arm's --thin-read-ahead")
     args = p.parse_args(argv)
     os.sched_setaffinity(0, {1 - args.verifier_cpu})  # the bystander and floods: the other core
     results = {}
-    for share in args.shares.split(","):
-        extra = ["--dtype", "float32", "--prefill-share", share, "--prefix-cache-mb", "0"]
+    flag, values = ("--thin-read-ahead", args.read_aheads) if args.thin else ("--prefill-share", args.shares)
+    for value in values.split(","):
+        extra = ["--dtype", "float32", flag, value, "--prefix-cache-mb", "0", "--max-sessions", "512"]
+        extra += ["--max-sessions-per-client", "512", "--client-kv-share", "1"]
         with ServerProcess(args.target, *extra, cpus=(args.verifier_cpu,), timeout=300) as server:
-            results[f"share {share}"] = asyncio.run(arm(server.address, args))
-        print(json.dumps({f"share {share}": results[f"share {share}"]}), flush=True)
+            results[f"{flag} {value}"] = asyncio.run(arm(server.address, args))
+        print(json.dumps({f"{flag} {value}": results[f"{flag} {value}"]}), flush=True)
     print(json.dumps({"prompt_tokens": args.prompt_tokens, "floods": args.floods, **results}, indent=1))
     return 0
 
