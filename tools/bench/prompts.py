@@ -43,7 +43,7 @@ def chat_turns(target_dir: Path, questions) -> tuple[tuple[int, ...], ...]:
     included."""
     from transformers import AutoTokenizer
 
-    from tools.models.smollm2 import chat_ids
+    from tools.models.fromgguf import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return tuple(tuple(chat_ids(tokenizer, q)) for q in questions)
