@@ -51,10 +51,11 @@ class BatchConfig:
     # Prefill positions one batch runs, all sessions together; a longer prefill runs in chunks over
     # the next batches, so that other sessions' rounds never wait behind it. 0: whole prefills.
     max_prefill_positions: int = 256
-    # While other sessions play rounds, a batch's prefill also takes at most this share of a round's time
-    # (by the prefill speed and round time measured on the last batches; at least min_prefill_positions
-    # so a prompt always advances): a round then waits at most about (1 + 2 × share) × its time alone,
-    # behind the chunk in flight and beside one in its own batch, however long the prompts. 0: off.
+    # While other sessions play rounds, prefill rides with their rounds, and a batch with a prefill chunk
+    # aims to take at most (1 + prefill_share) × the rounds' time alone: the chunk halves after a batch
+    # over that and grows by a position after one within it (at least min_prefill_positions, so a
+    # prompt always advances). Measured, not modelled: a position's cost grows with its context (its
+    # attention), so a rate learned early in a long prompt would overshoot late in it. 0: off.
     prefill_share: float = 0.5
     min_prefill_positions: int = 1
 
@@ -96,7 +97,7 @@ class Batcher:
         self._last_end: float | None = None  # when the last batch ended (perf_counter)
         self._round_s: float | None = None  # a batch's rounds' time, smoothed (None: none measured yet)
         self._rounds_at: dict[str, float] = {}  # session -> when it last sent a round (event loop time)
-        self._prefill_rate: float | None = None  # prefill positions per second, smoothed
+        self._chunk = float(config.min_prefill_positions)  # timed prefill positions a batch (prefill_room)
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -248,28 +249,31 @@ class Batcher:
                 return
 
     def _measure(self, forwards: list[Forward], seconds: float) -> None:
-        """Learns the rounds' time (from batches of rounds alone) and the prefill speed (from batches of
-        prefill alone, or the rest of a mixed batch's time once the rounds' is known)."""
+        """Learns the rounds' time (from batches of rounds alone) and sizes the next prefill chunk from
+        the last mixed batch's time: halved when over (1 + prefill_share) × the rounds' time, one
+        position more when within it with its chunk full."""
         positions = sum(len(f.token_ids) for f in forwards if not f.wants_logits)
         if positions == 0:
             self._round_s = _smooth(self._round_s, seconds)
             return
-        mixed = any(f.wants_logits for f in forwards)
-        prefill_s = seconds - (self._round_s or seconds) if mixed else seconds
-        if positions >= self.config.min_prefill_positions and prefill_s > 0:
-            self._prefill_rate = _smooth(self._prefill_rate, positions / prefill_s)
+        c = self.config
+        if self._round_s and any(f.wants_logits for f in forwards):
+            if seconds > (1 + c.prefill_share) * self._round_s:
+                self._chunk = max(float(c.min_prefill_positions), self._chunk / 2)
+            elif positions >= int(self._chunk):
+                self._chunk += 1
 
     def prefill_room(self) -> tuple[int | None, bool]:
         """Prefill positions the next batch may run (None: no limit), and whether time bounds them:
-        max_prefill_positions, and while sessions play rounds (one in the last ACTIVE_S), what the
-        measured prefill speed does in prefill_share of a round's time. Idle sessions do not slow a
-        prefill down."""
+        max_prefill_positions, and while sessions play rounds (one in the last ACTIVE_S) the chunk that
+        keeps a mixed batch near (1 + prefill_share) × the rounds' time (`_measure`). Idle sessions do
+        not slow a prefill down."""
         c = self.config
         room = c.max_prefill_positions or None
         horizon = asyncio.get_running_loop().time() - ACTIVE_S
         active = any(at > horizon for at in self._rounds_at.values())
-        if c.prefill_share and active and self._round_s and self._prefill_rate:
-            timed = max(c.min_prefill_positions, int(self._prefill_rate * c.prefill_share * self._round_s))
+        if c.prefill_share and active and self._round_s:
+            timed = max(c.min_prefill_positions, int(self._chunk))
             return (timed if room is None else min(room, timed)), True
         return room, False
 

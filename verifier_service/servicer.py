@@ -155,7 +155,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if session is None:
                     if kind != "open":
                         raise InvalidRequest("the first message of a session must be `open`")
-                    spec = wire.spec_from_proto(message.open)
+                    opening = message.open
+                    VerifierSession.check_lengths(
+                        self.engine.info, len(opening.prompt_token_ids), opening.stop.max_new_tokens
+                    )
+                    spec = wire.spec_from_proto(opening)
+                    del opening
                     del message  # a refused open keeps nothing of the request alive
                     if self.draining:
                         raise cut_off()
@@ -226,7 +231,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.admission.release(key)
         # Aborted outside the except clauses and with the request dropped: the abort's traceback holds
         # this frame, and a refused request must not stay alive with it (a 1 MiB open held 8 MB each).
-        session = spec = message = None
+        session = spec = message = opening = None
         code, details, retry_ms = ending
         self.refusals[code.name] += 1
         metadata = ((RETRY_AFTER, str(retry_ms)),) if retry_ms is not None else ()

@@ -128,15 +128,9 @@ class VerifierSession:
                 f"this session was verified with numerics {spec.numerics}; this verifier computes "
                 f"{numerics}, which could give other tokens: it cannot continue the session here"
             )
-        if not spec.prompt_token_ids:
-            raise InvalidRequest("the prompt is empty: send at least one token id")
         # Lengths first: an oversized open is refused before anything looks at its ids.
         prompt_length = len(spec.prompt_token_ids)
-        if spec.max_new_tokens > info.max_context - prompt_length:
-            raise InvalidRequest(
-                f"prompt ({prompt_length} tokens) plus max_new_tokens ({spec.max_new_tokens}) "
-                f"exceeds the target's context of {info.max_context}"
-            )
+        self.check_lengths(info, prompt_length, spec.max_new_tokens)
         self._check_ids(spec.prompt_token_ids, "prompt")
         self._check_ids(spec.generated_token_ids, "generated")
         if len(spec.stop_token_ids) > limits.max_stop_token_ids:
@@ -163,6 +157,19 @@ class VerifierSession:
         self.finish: Finish | None = None
         self.target_positions = 0  # positions the target computed for this session
         self.reused_positions = 0  # prefill positions taken from a kept cache
+
+    @staticmethod
+    def check_lengths(info, prompt_length: int, max_new_tokens: int) -> None:
+        """Raises InvalidRequest for an empty prompt, or one that with max_new_tokens exceeds the
+        target's context: what the servicer asks of an open before it converts any id (a refused
+        1 MiB open then costs a protobuf parse, not a walk over its ids)."""
+        if not prompt_length:
+            raise InvalidRequest("the prompt is empty: send at least one token id")
+        if max_new_tokens > info.max_context - prompt_length:
+            raise InvalidRequest(
+                f"prompt ({prompt_length} tokens) plus max_new_tokens ({max_new_tokens}) "
+                f"exceeds the target's context of {info.max_context}"
+            )
 
     @property
     def max_positions(self) -> int:

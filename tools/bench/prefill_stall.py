@@ -5,6 +5,10 @@ the flood is N thin sessions whose edge never reads (`serve --thin-read-ahead`, 
 
     python -m tools.bench.prefill_stall [--target DIR] [--prompt-tokens 5000] [--floods 2]
     python -m tools.bench.prefill_stall --thin 50 --thin-tokens 1000 --read-aheads 64,100000
+    python -m tools.bench.prefill_stall --refused 2000 --shares 0.5
+
+With --refused N, the flood is N opens of about 1 MiB each (a prompt far over the context, which the
+verifier refuses with INVALID_ARGUMENT), 8 at a time; the arm also reports refusals per second.
 
 Each arm starts its own `serve` pinned to the verifier's core. A bystander (on the other core) plays
 rounds of 5 draft tokens with a 20 ms pause between them (its draft), first alone, then while `--floods`
@@ -28,6 +32,7 @@ import grpc
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from tools.testkit.serverproc import ServerProcess
+from verifier_service.servicer import SERVICE
 
 SMOLLM2 = Path.home() / ".local/share/draftwire/models/smollm2/target"
 
@@ -39,7 +44,7 @@ async def bystander_rounds(
     tokens it committed to `tokens`."""
     call = stub.Session()
     prompt = [random.Random(1).randrange(100, 40000) for _ in range(32)]
-    stop_at = pb.StopConditions(max_new_tokens=4000, ignore_eos=True)
+    stop_at = pb.StopConditions(max_new_tokens=8000, ignore_eos=True)  # rounds for a long flood
     await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt, stop=stop_at)))
     length = (await call.read()).opened.committed_length
     round_ = 0
@@ -84,6 +89,28 @@ async def thin_flood(stub, sessions: int, tokens: int) -> list:
     return calls
 
 
+async def refused_flood(channel, opens: int, concurrency: int = 8) -> int:
+    """`opens` oversized opens (about 1 MiB: 250,000 ids, far over the context), `concurrency` at a
+    time; returns how many were refused with INVALID_ARGUMENT."""
+    prompt = [random.Random(7).randrange(1 << 14, 1 << 21) for _ in range(250_000)]
+    message = pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt)).SerializeToString()
+    left, refused = opens, 0
+
+    async def worker():
+        nonlocal left, refused
+        while left > 0:
+            left -= 1
+            call = channel.stream_stream(f"/{SERVICE}/Session")()  # bytes as they are
+            await call.write(message)
+            try:
+                await call.read()
+            except grpc.aio.AioRpcError as e:
+                refused += e.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return refused
+
+
 async def arm(address: str, args) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
@@ -95,7 +122,10 @@ async def arm(address: str, args) -> dict:
         mark = len(alone)
         before = await stub.GetStats(pb.StatsRequest())
         start = time.perf_counter()
-        if args.thin:
+        refused = None
+        if args.refused:
+            refused = await refused_flood(channel, args.refused)
+        elif args.thin:
             calls = await thin_flood(stub, args.thin, args.thin_tokens)
             await asyncio.sleep(args.thin_s)
             for call in calls:
@@ -123,6 +153,7 @@ async def arm(address: str, args) -> dict:
         "floods_s": round(prefill_s, 1),
         "flood_tokens": after.generated_tokens - before.generated_tokens - bystander_tokens,
         "engine_s": round(after.engine_seconds - before.engine_seconds, 1),
+        **({} if refused is None else {"refused": refused, "refusals_per_s": round(refused / prefill_s)}),
     }
 
 
@@ -138,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thin", type=int, default=0, help="flood with this many unread thin sessions instead")
     p.add_argument("--thin-tokens", type=int, default=1000, help="new tokens each thin session asks for")
     p.add_argument("--thin-s", type=float, default=20.0, help="how long the thin sessions stay open")
+    p.add_argument("--refused", type=int, default=0, help="flood with this many oversized opens instead")
     p.add_argument("--read-aheads", default="64,100000", help="with --thin: each arm's --thin-read-ahead")
     args = p.parse_args(argv)
     os.sched_setaffinity(0, {1 - args.verifier_cpu})  # the bystander and floods: the other core

@@ -75,6 +75,7 @@ class FakeEngine:
         self.released: list[str] = []
         self.slow_s = 0.0  # each call takes at least this long, as a real forward would
         self.slow_per_position_s = 0.0  # and this much more per position it computes
+        self.slow_per_context_s = 0.0  # and this much per position it computes per position before it
         # What the servicer reads of a real engine: nothing is kept, nothing is active.
         self.prefix_cache: dict = {}
         self.cache_bytes = 0
@@ -84,9 +85,10 @@ class FakeEngine:
         """The servicer's prefix-cache setting; the fake keeps no caches."""
 
     def forward_many(self, forwards):
-        if self.slow_s or self.slow_per_position_s:
+        if self.slow_s or self.slow_per_position_s or self.slow_per_context_s:
             positions = sum(len(f.token_ids) for f in forwards)
-            time.sleep(self.slow_s + self.slow_per_position_s * positions)
+            context = sum(len(f.token_ids) * (f.keep + len(f.token_ids) / 2) for f in forwards)  # attention
+            time.sleep(self.slow_s + self.slow_per_position_s * positions + self.slow_per_context_s * context)
         if len({f.key for f in forwards}) != len(forwards):
             raise ValueError("one forward per session in a batch")
         self.batches.append(list(forwards))
