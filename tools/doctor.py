@@ -144,13 +144,19 @@ def _probe_shapes() -> list[tuple[int, int]]:
 
 
 def models_report(problems: list[str]) -> dict:
-    from tools.models import smollm2
+    """The fetched pairs: SmolLM2 (the default; a problem when missing) and the optional Qwen2.5-Coder."""
+    from tools.models import qwen, smollm2
 
     directory = smollm2.default_dir()
     fetched = smollm2.is_fetched(directory)
     if not fetched:
         problems.append(f"no SmolLM2 pair in {directory}: `draftwire models fetch smollm2` (offline, ~1 min)")
-    return {"smollm2": {"directory": str(directory), "installed": fetched}}
+    report = {"smollm2": {"directory": str(directory), "installed": fetched}}
+    report[qwen.NAME] = {
+        "directory": str(qwen.default_dir()),
+        "installed": qwen.is_fetched(qwen.default_dir()),
+    }
+    return report
 
 
 def report(probe: bool = True, as_json: bool = False, out=sys.stdout) -> int:
@@ -199,7 +205,11 @@ def _print(r: dict, out) -> None:
             else:
                 print(f"  {dtype:9s} not exact here: {d['why']}", file=out)
     for name, m in r["models"].items():
-        state = "installed" if m["installed"] else "missing"
+        state = (
+            "installed"
+            if m["installed"]
+            else ("not fetched: " + m["optional"] if "optional" in m else "missing")
+        )
         print(f"models     {name}: {state} ({m['directory']})", file=out)
     if r["problems"]:
         print("problems", file=out)
