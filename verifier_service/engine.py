@@ -375,6 +375,15 @@ class TargetEngine:
             except NotInvariant as e:
                 passed_over.append(f"{name}: {e}")
                 continue
+            except UnsupportedModel as e:
+                # A lower precision can miss the model's own forward by more than its tolerance where
+                # float32 meets it (Qwen2.5-1.5B in bfloat16: 5.9e-2 of the logits' range): auto tries
+                # the next dtype; the last one, or a dtype asked for by name, refuses.
+                if name == candidates[-1]:
+                    raise
+                passed_over.append(f"{name}: {e}")
+                model = engine = None  # freed before the next dtype's copy loads
+                continue
             engine.passed_over = tuple(passed_over)
             return engine
         raise NoExactPath(
