@@ -18,7 +18,7 @@ import zipfile
 import grpc
 import pytest
 
-from draftwire.contract import SamplingParams, SessionSpec
+from draftwire.contract import Drafting, SamplingParams
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.models import qwen
@@ -139,24 +139,24 @@ def test_greedy_through_serve_equals_transformers_generate(pair, prompts, greedy
 
 @pytest.mark.slow
 def test_seeded_through_serve_equals_the_target_alone(pair, prompts, server):
-    from verifier_service.engine import TargetEngine
-    from verifier_service.session import reference_decode
-
+    """The target alone is a thin session of the same verifier with no draft (what `reference` decodes,
+    one position a round): a second 1.5B copy in this process would double the memory."""
     params = SamplingParams(0.8, seed=11)
-    results = _generate(server.address, pair, prompts[:1], params, gamma=6)
-    engine = TargetEngine.load(pair / qwen.TARGET, dtype="float32")
-    expected = reference_decode(engine, SessionSpec(prompts[0], params, NEW))
-    del engine
-    gc.collect()
-    assert results[0][0] == expected
+    [(drafted, _)] = _generate(server.address, pair, prompts[:1], params, gamma=6)
+
+    async def alone():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            request = GenerationRequest(prompts[0], params, NEW, drafting=Drafting.NONE)
+            return await EdgeSession(channel, None).run(request)
+
+    ids, stats = asyncio.run(alone())
+    assert drafted == ids and stats.rounds == len(ids)
 
 
 @pytest.mark.slow
 def test_greedy_through_the_pool_equals_transformers_generate(pair, prompts, greedy_expected, server):
     from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
-    from cluster.front import Front
-    from cluster.pool import Pool
-    from tools.testkit.localray import local_ray
+    from tools.testkit.localray import local_ray, running_pool
     from verifier_service.servicer import ServerConfig
 
     server.stop()  # one 1.5B copy at a time: the pool's replica is the next
@@ -170,18 +170,11 @@ def test_greedy_through_the_pool_equals_transformers_generate(pair, prompts, gre
     )
 
     async def scenario():
-        pool = Pool(config)
-        await pool.start()
-        front = Front(pool, config.front)
-        address = f"127.0.0.1:{await front.start()}"
-        try:
+        async with running_pool(config) as (_, address):
             drafter = LlamaDrafter(DrafterConfig(qwen.draft_file(pair), n_ctx=512))
             async with grpc.aio.insecure_channel(address) as channel:
                 request = GenerationRequest(prompts[0], SamplingParams(), NEW, gamma=4)
                 return await EdgeSession(channel, drafter).run(request)
-        finally:
-            await front.stop(0)
-            await pool.close()
 
     with local_ray(num_cpus=2):
         ids, _ = asyncio.run(scenario())

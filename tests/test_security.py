@@ -288,9 +288,7 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
     token revoked at the front ends its open session there, with UNAUTHENTICATED, within seconds."""
     pytest.importorskip("ray")
     from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
-    from cluster.front import Front
-    from cluster.pool import Pool
-    from tools.testkit.localray import local_ray
+    from tools.testkit.localray import local_ray, running_pool
     from verifier_service.servicer import ServerConfig
 
     tokens_file = tmp_path / "tokens"
@@ -304,11 +302,7 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
     )
 
     async def scenario():
-        pool = Pool(config)
-        await pool.start()
-        front = Front(pool, config.front)
-        address = f"127.0.0.1:{await front.start()}"
-        try:
+        async with running_pool(config) as (pool, address):
             alice = creds(certs, "alice-token")
             drafter = LlamaDrafter(DrafterConfig(DRAFT))
             async with wire.channel(address, alice) as channel:
@@ -356,9 +350,6 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
                         break
                     await asyncio.sleep(0.05)
                 assert stats.active_sessions == 0
-        finally:
-            await front.stop(0)
-            await pool.close()
 
     with local_ray(num_cpus=2):
         asyncio.run(scenario())

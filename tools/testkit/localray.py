@@ -30,3 +30,20 @@ def local_ray(num_cpus: int):
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = saved
+
+
+@contextlib.asynccontextmanager
+async def running_pool(config):
+    """A verifier pool (cluster.pool.Pool) and its front started from `config` (a PoolConfig) inside a
+    running local_ray; yields (pool, the front's address); stops both on the way out."""
+    from cluster.front import Front
+    from cluster.pool import Pool
+
+    pool = Pool(config)
+    await pool.start()
+    front = Front(pool, config.front)
+    try:
+        yield pool, f"127.0.0.1:{await front.start()}"
+    finally:
+        await front.stop(0)
+        await pool.close()
