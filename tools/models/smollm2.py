@@ -22,7 +22,10 @@ from pathlib import Path
 from tools.models.fromgguf import (
     chat_ids,
     copy_file,
+    file_records,
+    files_present,
     greedy_answer,
+    models_dir,
     no_progress_bars,
     record_hash,
     requantize,
@@ -71,8 +74,7 @@ SANITY_ANSWER = "Paris"
 
 def default_dir() -> Path:
     """Where `fetch` writes without --out: $XDG_DATA_HOME/draftwire/models/smollm2."""
-    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data_home) / "draftwire" / "models" / "smollm2"
+    return models_dir("smollm2")
 
 
 def draft_path(directory: Path, kind: str = SHIPPED_DRAFT) -> Path:
@@ -131,23 +133,12 @@ def _manifest_matches(directory: Path, record: tuple[Path, str, int]) -> bool:
     _, sha, _ = record
     if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("source", {}).get("sha256") != sha:
         return False
-    # Sizes, not hashes: a second fetch should cost nothing; a changed file of the same size is not
-    # something a fetch guards against.
-    files = manifest.get("files", {})
-    return bool(files) and all(
-        (directory / name).is_file() and (directory / name).stat().st_size == entry["bytes"]
-        for name, entry in files.items()
-    )
+    return files_present(directory, manifest.get("files", {}))
 
 
 def _write_manifest(directory: Path, record: tuple[Path, str, int]) -> None:
     _, sha, size = record
-    files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        name = path.relative_to(directory).as_posix()
-        if name in (MANIFEST, CARD_JSON, CARD_MD):
-            continue
-        files[name] = {"bytes": path.stat().st_size, "sha256": record_hash(path)}
+    files = file_records(directory, (MANIFEST, CARD_JSON, CARD_MD))
     manifest = {
         "format": _MANIFEST_FORMAT,
         "name": SHIPPED_NAME.split(".")[0],  # the name the verifier serves the target under
