@@ -1,4 +1,7 @@
-"""Skips for what this CPU lacks, each naming the missing feature, and the dtype exact mode runs here."""
+"""Skips for what this machine lacks, each naming what is missing (a CPU feature, a fetched pair), and
+the dtype exact mode runs here."""
+
+import os
 
 import pytest
 import torch
@@ -18,3 +21,19 @@ def dtype_params(*dtypes):
         pytest.param(d, marks=needs_bf16, id=str(d)) if "bfloat16" in str(d) else pytest.param(d, id=str(d))
         for d in dtypes
     ]
+
+
+def fetched(name: str):
+    """The directory of a pair `draftwire models fetch NAME` assembles (tools/models/pairs.py). Skips
+    where it has not been fetched; fails instead where DRAFTWIRE_FETCHED=required (CI fetches them)."""
+    from tools.models import chunks
+    from tools.models.pairs import PAIRS
+
+    pair = PAIRS[name]
+    directory = chunks.default_dir(pair)
+    if not chunks.is_fetched(pair, directory):
+        why = f"no fetched {name} pair in {directory}: `draftwire models fetch {name}` ({pair.download_note})"
+        if os.environ.get("DRAFTWIRE_FETCHED") == "required":
+            pytest.fail(why)
+        pytest.skip(why)
+    return directory

@@ -15,9 +15,8 @@ import subprocess
 import grpc
 import numpy as np
 import pytest
-import torch
 from scipy import stats
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
@@ -25,6 +24,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.models.kit import stdlib_texts
+from tools.testkit.oracle import transformers_greedy
 from tools.testkit.serverproc import DRAFTWIRE
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
@@ -73,19 +73,7 @@ def speculate(address: str, drafter: LlamaDrafter, requests: list[GenerationRequ
 @pytest.fixture(scope="module")
 def hf_greedy(test_pair, prompts) -> list[list[int]]:
     """transformers' own greedy decoding: the independent reference."""
-    model = AutoModelForCausalLM.from_pretrained(test_pair.target_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            pad_token_id=2,
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return transformers_greedy(test_pair.target_dir, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("draft", ["f16", "q4_0"])

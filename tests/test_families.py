@@ -312,6 +312,17 @@ A family not in the table is loaded and then proven or refused by those same che
 caches with the model's own forward (float32: within 1e-4 of the logits' range), and
 `check_invariance` compares one position at a time with a γ + 1 round and a batch, bit for bit.
 
+Real pretrained pairs, exact end to end through `serve` (greedy against transformers' `generate` in
+float32, seeded against `reference`):
+
+- `llama`: SmolLM2-135M-Instruct drafting for itself from its shipped and requantized GGUFs
+  (`tests/test_real_pair.py`, 20 chat prompts × 128 tokens).
+- `qwen2`: Qwen2.5-Coder-0.5B-Instruct drafting for the 1.5B (`tests/test_qwen_pair.py`, through
+  the Ray pool too; `draftwire models fetch qwen2.5-coder`).
+- `gemma3_text`: Gemma 3 270M drafting for itself from its Q4_K_M file, a SentencePiece vocabulary
+  of 262,144 tokens, γ 4 and 8, one prompt longer than its 512-position sliding window
+  (`tests/test_gemma_pair.py`; `draftwire models fetch gemma-3-270m`).
+
 | Family | `model_type` | State | What the matrix checks, or why |
 |---|---|---|---|
 """

@@ -10,8 +10,6 @@ to be loosened: bit-exact verification is where that is fixed.
 import asyncio
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
@@ -19,6 +17,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.prompts import chat_turns
 from tools.models import smollm2
+from tools.testkit.oracle import transformers_greedy
 from tools.testkit.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
@@ -78,14 +77,7 @@ def speculate(address: str, draft, requests: list[GenerationRequest]) -> list[li
 
 
 def test_greedy_equals_transformers_generate(pair, prompts, server):
-    model = AutoModelForCausalLM.from_pretrained(pair / smollm2.TARGET, dtype=torch.float32).eval()
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS
-        )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = transformers_greedy(pair / smollm2.TARGET, prompts, NEW_TOKENS)
     requests = [GenerationRequest(p, max_new_tokens=NEW_TOKENS, gamma=6, pipeline=1) for p in prompts]
     got = speculate(server.address, smollm2.draft_path(pair), requests)
     for question, ids, want in zip(QUESTIONS, got, expected, strict=True):

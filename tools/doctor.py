@@ -144,18 +144,19 @@ def _probe_shapes() -> list[tuple[int, int]]:
 
 
 def models_report(problems: list[str]) -> dict:
-    """The fetched pairs: SmolLM2 (the default; a problem when missing) and the optional Qwen2.5-Coder."""
-    from tools.models import qwen, smollm2
+    """The fetched pairs: SmolLM2 (the default; a problem when missing) and the optional ones of
+    tools/models/pairs.py."""
+    from tools.models import chunks, smollm2
+    from tools.models.pairs import PAIRS
 
     directory = smollm2.default_dir()
     fetched = smollm2.is_fetched(directory)
     if not fetched:
         problems.append(f"no SmolLM2 pair in {directory}: `draftwire models fetch smollm2` (offline, ~1 min)")
     report = {"smollm2": {"directory": str(directory), "installed": fetched}}
-    report[qwen.NAME] = {
-        "directory": str(qwen.default_dir()),
-        "installed": qwen.is_fetched(qwen.default_dir()),
-    }
+    for name, pair in PAIRS.items():
+        directory = chunks.default_dir(pair)
+        report[name] = {"directory": str(directory), "installed": chunks.is_fetched(pair, directory)}
     return report
 
 

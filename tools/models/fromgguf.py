@@ -1,11 +1,12 @@
 """From a GGUF file to the parts of a pair: a transformers target written from its tensors, drafts
 requantized by llama.cpp, and the small file and loader helpers the model fetchers share
-(tools/models/smollm2.py, tools/models/qwen.py)."""
+(tools/models/smollm2.py, tools/models/chunks.py)."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -18,23 +19,22 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def no_progress_bars():
-    """transformers draws bars while reading the GGUF (plain tqdm, which reads TQDM_DISABLE) and while
-    loading the target (its own switch)."""
+    """transformers draws bars while reading a GGUF (plain tqdm, called from its GGUF module; TQDM_DISABLE
+    is read once, when tqdm is imported, so the module's name is rebound instead) and while loading a
+    model (its own switch)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
-    previous = os.environ.get("TQDM_DISABLE")
+    bar = gguf_utils.tqdm
     hf_logging.disable_progress_bar()
-    os.environ["TQDM_DISABLE"] = "1"
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        gguf_utils.tqdm = bar
         if enabled:
             hf_logging.enable_progress_bar()
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous
 
 
 def copy_file(source: Path, destination: Path) -> None:
