@@ -179,7 +179,7 @@ def _add_speculation(p: argparse.ArgumentParser) -> None:
 
 
 def _add_client_security(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("transport security (README: Running it safely)")
+    g = p.add_argument_group("transport security (docs/security.md)")
     g.add_argument("--tls-ca", type=Path, help="TLS: the CA (PEM) the verifier's certificate chains to")
     g.add_argument("--tls-cert", type=Path, help="mTLS: this client's certificate (PEM)")
     g.add_argument("--tls-key", type=Path, help="mTLS: this client's private key (PEM)")
@@ -413,7 +413,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_target_numerics(p)
     _add_limits(p)
-    g = p.add_argument_group("transport security (README: Running it safely)")
+    g = p.add_argument_group("transport security (docs/security.md)")
     g.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
     g.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     g.add_argument("--tls-client-ca", type=Path, help="mTLS: require client certificates from this CA")

@@ -1,5 +1,5 @@
 """A throwaway CA, a server certificate for loopback and client certificates, made with `openssl` as the
-README's "Running it safely" says (ECDSA P-256, one command per certificate)."""
+docs/security.md says (ECDSA P-256, one command per certificate)."""
 
 from __future__ import annotations
 
