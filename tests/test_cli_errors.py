@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import parser
+from draftwire_cli.parser import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def draftwire(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli", *argv],
+        [sys.executable, "-m", "draftwire_cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edge_client.llama_runtime import Llama
-from tools.demo import DEMO_DRAFT
 from tools.models.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agreement, target_argmax_and_loss
 from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
 from tools.models.demopair.files import DEFAULT_OUT, PairFiles
+from tools.models.find import DEMO_DRAFT
 from tools.testkit.serverproc import DRAFTWIRE
 
 pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses

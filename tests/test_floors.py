@@ -1,6 +1,7 @@
 """The house's floors, read from the source: imports run one way only, and the core stays pure.
 
-tools/                      CLI, demo, benches, load test, model building, test kits
+draftwire_cli/              the `draftwire` command (its commands, demo, doctor, top)
+tools/                      benches, load test, fuzz, soak, model fetching and building, test kits
 cluster/                    the Ray pool, above the verifier
 edge_client/  verifier_service/   side by side, never importing each other
 draftwire/                  the shared core (contract, rules, vocab) and the wire
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("draftwire", "edge_client", "verifier_service", "cluster", "tools")
+PACKAGES = ("draftwire", "edge_client", "verifier_service", "cluster", "tools", "draftwire_cli")
 # What each floor may import of ours (besides itself).
 ALLOWED = {
     "draftwire": set(),
@@ -20,6 +21,7 @@ ALLOWED = {
     "verifier_service": {"draftwire"},
     "cluster": {"draftwire", "verifier_service"},
     "tools": {"draftwire", "edge_client", "verifier_service", "cluster"},
+    "draftwire_cli": {"draftwire", "edge_client", "verifier_service", "cluster", "tools"},
 }
 # Third-party packages a module must not import, even lazily.
 FORBIDDEN = {

@@ -85,7 +85,7 @@ def test_serve_refuses_an_empty_metrics_host_and_an_unreadable_token_file(tmp_pa
     target.mkdir()
     empty = tmp_path / "empty.token"
     empty.write_text("\n")
-    serve = [sys.executable, "-m", "tools.cli", "serve", "--target", str(target), "--port", "0"]
+    serve = [sys.executable, "-m", "draftwire_cli", "serve", "--target", str(target), "--port", "0"]
     cases = [
         (["--metrics-port", "0", "--metrics-host", ""], "0.0.0.0"),
         (["--metrics-port", "0", "--metrics-token-file", str(tmp_path / "missing")], "--metrics-token-file"),

@@ -239,29 +239,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.bench.prompts import chat_prompts, heldout_prompts
-
     args = parser().parse_args(argv)
-    config = BenchConfig(
-        target_dir=args.target,
-        draft_gguf=args.draft,
-        draft_hf=None,
-        prompts=(
-            chat_prompts(args.target, args.prompts)
-            if args.chat
-            else heldout_prompts(args.target, args.prompts, args.prompt_tokens)
-        ),
-        max_new_tokens=args.max_new_tokens,
-        gammas=args.gammas,
-        rtts_ms=args.rtts,
-        pipelines=args.depths,
-        draft_threads=args.draft_threads,
-        edge_cpus=args.two_device[0],
-        verifier_cpus=args.two_device[1],
-        temperature=args.temperature,
-        dtype=args.dtype,
-        invariant=args.invariant,
-    )
+    config = BenchConfig.from_args(args, pipelines=args.depths)
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adaptive.json").write_text(json.dumps(report, indent=2) + "\n")

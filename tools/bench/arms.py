@@ -34,6 +34,34 @@ class BenchConfig:
     invariant: bool = True  # bit-exact kernels in arms (a) and (c), (d) (TargetEngine.load)
     seed: int = 1234
 
+    @classmethod
+    def from_args(cls, args, **fields) -> BenchConfig:
+        """From the flags every bench takes (--target, --draft, --prompts, --chat, --prompt-tokens,
+        --max-new-tokens, --gammas, --rtts, --draft-threads, --two-device, --temperature, --dtype,
+        --no-bit-exact, and --draft-hf where it has one); `fields` set the rest."""
+        from tools.bench.prompts import chat_prompts, heldout_prompts
+
+        if args.chat:
+            prompts = chat_prompts(args.target, args.prompts)
+        else:
+            prompts = heldout_prompts(args.target, args.prompts, args.prompt_tokens)
+        return cls(
+            target_dir=args.target,
+            draft_gguf=args.draft,
+            draft_hf=getattr(args, "draft_hf", None),
+            prompts=prompts,
+            max_new_tokens=args.max_new_tokens,
+            gammas=args.gammas,
+            rtts_ms=args.rtts,
+            draft_threads=args.draft_threads,
+            edge_cpus=args.two_device[0],
+            verifier_cpus=args.two_device[1],
+            temperature=args.temperature,
+            dtype=args.dtype,
+            invariant=args.invariant,
+            **fields,
+        )
+
 
 @dataclass
 class Row:

@@ -16,7 +16,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from tools.demo import demo_pair
+from tools.models.find import find_pair
 from tools.models.smollm2 import CARD_PROMPTS
 from tools.testkit.serverproc import EdgeProcess, ServerProcess
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("runs/edge-turns"))
     args = ap.parse_args(argv)
-    target, draft = demo_pair(args.models)
+    target, draft = find_pair(args.models)
     arms = {
         "kept cache": conversation(target, draft, 1024, args.max_tokens),
         "no kept cache": conversation(target, draft, 0, args.max_tokens),

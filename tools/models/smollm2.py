@@ -398,7 +398,7 @@ def _target_forward_ms(model, prompt: list[int], repeats: int = 7) -> dict[str, 
 
 def _draftwire_command() -> list[str]:
     script = Path(sys.executable).parent / "draftwire"
-    return [str(script)] if script.is_file() else [sys.executable, "-c", "from tools.cli import main; main()"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "draftwire_cli"]
 
 
 def _acceptance(target: Path, drafts: list[Path], prompts: list[list[int]]) -> dict[str, dict]:

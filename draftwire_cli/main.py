@@ -1,0 +1,73 @@
+"""The `draftwire` command: serve, generate, reference, chat, edge, demo and the rest (`draftwire --help`).
+The typed configs are built once, from the flags, in draftwire_cli.configs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from draftwire.ports import PortInUse
+from draftwire_cli import configs
+from draftwire_cli.client import chat, edge, generate, reference
+from draftwire_cli.flags import UserError
+from draftwire_cli.local import bench, demo, doctor, models
+from draftwire_cli.parser import parser
+from draftwire_cli.serving import loadtest, serve, top
+
+
+def fail(message: str, status: int) -> int:
+    print(f"draftwire: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return status
+
+
+def check_inputs(args) -> None:
+    """Raises UserError for a model file or directory that is not there, before anything loads."""
+    for flag in ("draft", "vocab", "draft_hf"):
+        path = getattr(args, flag, None)
+        if path is not None and not (path.is_dir() if flag == "draft_hf" else path.is_file()):
+            raise UserError(
+                f"--{flag.replace('_', '-')} {path}: no such {'directory' if flag == 'draft_hf' else 'file'}"
+            )
+    target = getattr(args, "target", None)
+    if target is not None and not target.is_dir():
+        raise UserError(f"--target {target}: no such directory (a transformers model directory)")
+    if getattr(args, "chat", False) and args.command == "generate":
+        if args.prompt is None:
+            raise UserError("--chat formats --prompt TEXT with the target's chat template: give --prompt")
+        if args.draft is None and args.vocab is None:
+            raise UserError("--chat needs a tokenizer: --draft FILE.gguf, or --vocab FILE.gguf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `draftwire` command. Every mistake and failure ends with one `draftwire: ...` line on stderr:
+    exit 2 for a command line that cannot work, 1 for a failure while running (DRAFTWIRE_DEBUG=1 shows
+    the traceback of an unexpected one)."""
+    args = parser().parse_args(argv)
+    try:
+        check_inputs(args)
+        return {
+            "serve": serve,
+            "loadtest": loadtest,
+            "generate": generate,
+            "reference": reference,
+            "chat": chat,
+            "edge": edge,
+            "top": top,
+            "demo": demo,
+            "bench": bench,
+            "models": models,
+            "doctor": doctor,
+        }[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as e:
+        return fail(str(e), e.status)
+    except PortInUse as e:
+        return fail(str(e), 1)
+    except Exception as e:
+        if os.environ.get("DRAFTWIRE_DEBUG"):
+            raise
+        return fail(
+            f"{args.command} failed: {type(e).__name__}: {configs.reason(e)} (DRAFTWIRE_DEBUG=1 shows where)",
+            1,
+        )

@@ -1,0 +1,194 @@
+"""`serve` (one verifier, or a Ray pool with --ray), `loadtest` and `top`: the operator's commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import grpc
+
+from draftwire import wire
+from draftwire_cli import configs
+from draftwire_cli.flags import UserError
+
+
+def serve(args) -> int:
+    from draftwire.ports import check_free
+
+    tls, auth = configs.server_security(args)
+    # A busy port is said before torch and the target load (the server checks again when it binds).
+    check_free(args.host, args.port)
+    if args.metrics_port is not None:
+        check_metrics_flags(args)
+    if args.metrics_port:
+        check_free(args.metrics_host, args.metrics_port)
+
+    from verifier_service.batcher import BatchConfig
+    from verifier_service.engine import PrefixCacheConfig
+    from verifier_service.gamma_cap import CapConfig
+    from verifier_service.servicer import ServerConfig
+    from verifier_service.session import VerifierLimits
+
+    admission, lifetime = configs.limits(args)
+    config = ServerConfig(
+        args.host,
+        args.port,
+        args.max_message_bytes,
+        VerifierLimits(max_gamma=args.max_gamma, read_ahead=args.thin_read_ahead),
+        BatchConfig(
+            max_batch=args.max_batch,
+            window_s=args.batch_window_ms / 1000,
+            max_prefill_positions=args.max_prefill_positions,
+            prefill_share=args.prefill_share,
+        ),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metrics_token_file=args.metrics_token_file,
+        prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
+        tls=tls,
+        auth=auth,
+        admission=admission,
+        lifetime=lifetime,
+        gamma_cap=CapConfig(enabled=not args.no_gamma_cap),
+    )
+    if args.ray:
+        return _serve_pool(args, config)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    engine = load_target(args)
+    if engine is None:
+        return 2
+    asyncio.run(_serve_until_signal(engine, config))
+    return 0
+
+
+def check_metrics_flags(args) -> None:
+    """Raises UserError for an empty --metrics-host or an unreadable --metrics-token-file."""
+    from draftwire import metrics
+
+    if not args.metrics_host:
+        raise UserError(metrics.EMPTY_HOST)
+    if args.metrics_token_file is not None:
+        try:
+            metrics.read_token(args.metrics_token_file)
+        except OSError as e:
+            raise UserError(f"--metrics-token-file {args.metrics_token_file}: {configs.reason(e)}") from None
+        except ValueError as e:
+            raise UserError(f"--metrics-token-file {e}") from None
+
+
+def load_target(args):
+    """The target engine as `--target`, `--dtype` and `--no-bit-exact` ask; None, said on stderr, where
+    there are no bit-exact kernels for it."""
+    from verifier_service.engine import NoInvariantKernels, TargetEngine, UnsupportedModel
+
+    try:
+        engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
+    except NoInvariantKernels as e:
+        print(f"draftwire: {e}", file=sys.stderr)
+        return None
+    except UnsupportedModel as e:
+        raise UserError(f"--target {args.target}: {e}", 1) from None
+    except (OSError, ValueError, KeyError) as e:  # no model there, or one transformers cannot read
+        raise UserError(
+            f"--target {args.target}: cannot load a model from it: {configs.reason(e)}", 1
+        ) from None
+    print(f"draftwire: {numerics_line(engine)}", file=sys.stderr, flush=True)
+    return engine
+
+
+def numerics_line(engine) -> str:
+    """The startup line that says which exact path runs (and why auto passed over a faster one)."""
+    n = engine.numerics
+    exact = "bit-exact" if n.exact else "not bit-exact (--no-bit-exact)"
+    line = f"target {engine.info.target_id}: {n.dtype} on {n.device} with {n.kernels} kernels, {exact}"
+    if engine.passed_over:
+        line += f" (passed over {'; '.join(engine.passed_over)})"
+    return line
+
+
+async def _serve_until_signal(engine, config) -> None:
+    from verifier_service.servicer import start_server, wait_for_stop_signal
+
+    server, port = await start_server(engine, config)
+    print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
+    if server.metrics_port is not None:  # the bound port: --metrics-port 0 picks one
+        print(f"draftwire: metrics on http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
+    await wait_for_stop_signal()
+    print(f"draftwire: draining (up to {config.lifetime.drain_timeout_s:g} s)", flush=True)
+    await server.drain()
+
+
+def _serve_pool(args, server) -> int:
+    import dataclasses
+    import os
+
+    from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
+    from cluster.serve import RayConfig, run
+
+    config = PoolConfig(
+        replica=ReplicaConfig(
+            target_dir=args.target.resolve(),
+            server=dataclasses.replace(server, host=args.replica_host, port=0, metrics_port=None),
+            num_cpus=args.replica_cpus,
+            dtype=args.dtype,
+            invariant=args.invariant,
+            num_gpus=args.replica_gpus,
+        ),
+        scaling=ScalingConfig(
+            min_replicas=args.replicas,
+            max_replicas=args.max_replicas or args.replicas,
+            target_sessions_per_replica=args.sessions_per_replica,
+        ),
+        front=server,
+    )
+    # A Ray job's driver finds its cluster in RAY_ADDRESS; without either, a private local cluster.
+    run(config, RayConfig(args.address or os.environ.get("RAY_ADDRESS") or "local"))
+    return 0
+
+
+def loadtest(args) -> int:
+    from edge_client.session import VerifierError
+    from tools.loadtest import LoadConfig, report_text, run_load
+
+    config = LoadConfig(
+        sessions=args.sessions,
+        duration_s=args.duration,
+        gamma=args.gamma,
+        pipeline=args.pipeline,
+        new_tokens=args.new_tokens,
+        corrupt=args.corrupt,
+        prompts=args.prompts,
+        drafting=args.drafting,
+    )
+
+    credentials = configs.credentials(args)
+
+    async def run() -> dict:
+        async with wire.channel(args.server, credentials) as channel:
+            return await run_load(channel, config)
+
+    try:
+        report = asyncio.run(run())
+    except (VerifierError, grpc.aio.AioRpcError) as e:
+        print(
+            f"draftwire: loadtest could not record its scripts: {configs.explain(e, credentials)}",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(report) if args.json else report_text(report))
+    return 0 if report["errors"] == {} and report["mismatches"] == 0 else 1
+
+
+def top(args) -> int:
+    from draftwire_cli.top import run
+
+    credentials = configs.credentials(args)
+    try:
+        return run(args.server, args.interval, args.once, credentials)
+    except grpc.aio.AioRpcError as e:
+        print(f"draftwire: top: {configs.explain(e, credentials)}", file=sys.stderr)
+        return 1

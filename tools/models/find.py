@@ -1,0 +1,33 @@
+"""Which model pair a name or a directory means: a fetched pair by its name (`draftwire models fetch NAME`),
+or a pair directory (a target directory and `draft-*.gguf` files beside it, as `models/demo`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools.models.demopair.files import PairFiles
+
+# Which draft of a pair the demo runs, the first that the pair has: SmolLM2's shipped Q4_1 file, the demo
+# pair's q8_0 (chosen by their cards' acceptance and speed).
+DRAFT_PREFERENCE = ("q4_1", "q8_0", "q4_0", "f16")
+DEMO_DRAFT = "q8_0"  # the committed demo pair's
+
+
+def find_pair(models: Path | None) -> tuple[Path, Path]:
+    """(target directory, draft GGUF) of a pair directory, or of a fetched pair named by `draftwire
+    models fetch NAME` (`smollm2`, the default; tools/models/pairs.py's); `models/demo` is the committed
+    small pair. The draft is the first of DRAFT_PREFERENCE the pair has, else its only `draft-*.gguf`. Raises
+    FileNotFoundError naming the command that makes the pair."""
+    from tools.models import chunks, smollm2
+    from tools.models.pairs import PAIRS
+
+    fetched = {"smollm2": smollm2.default_dir(), **{n: chunks.default_dir(p) for n, p in PAIRS.items()}}
+    name = "smollm2" if models is None else str(models)
+    root = fetched[name] if name in fetched and not Path(name).is_dir() else Path(models)
+    files = PairFiles(root)
+    drafts = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
+    drafts = drafts or sorted(root.glob("draft-*.gguf"))
+    if not (files.target / "config.json").is_file() or not drafts:
+        make = f"draftwire models fetch {name}" if name in fetched else f"draftwire models build --out {root}"
+        raise FileNotFoundError(f"no model pair in {files.root}: run `{make}`")
+    return files.target, drafts[0]
