@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, Numerics, TargetInfo, bucket
-from verifier_service.engine import Forward
+from verifier_service.engine import Forward, PrefixCacheConfig
 from verifier_service.gamma_cap import GammaCap
 
 
@@ -36,6 +36,19 @@ class Engine(Protocol):
     def adopt(
         self, key: str, token_ids: Sequence[int], owner: str = "", max_positions: int | None = None
     ) -> int: ...
+
+
+class ServedEngine(Engine, Protocol):
+    """What a server reads of its engine besides what the batcher runs: the figures of GetStats and the
+    metrics, the KV bytes admission reserves, and the kept caches' setting. `TargetEngine` and the
+    fake of the in-process tests (tools/testkit/fakes.py) both implement it."""
+
+    active_sessions: int  # sessions holding a KV cache
+    cache_bytes: int  # the KV memory held: live sessions' caches and kept ones
+    bytes_per_position: int  # KV memory of one cached position (0: the engine reserves nothing)
+    prefix_cache: Sized  # the kept caches (their number is a figure)
+
+    def keep_finished(self, config: PrefixCacheConfig, room: Callable[[], int] | None = None) -> None: ...
 
 
 ACTIVE_S = 1.0  # a session that sent a round this recently is playing rounds (Batcher.prefill_room)

@@ -31,8 +31,8 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service import auth
 from verifier_service.admission import Admission, AdmissionConfig, Refused, Window
 from verifier_service.auth import AuthConfig, TlsConfig
-from verifier_service.batcher import BatchConfig, Batcher
-from verifier_service.engine import PrefixCacheConfig, TargetEngine
+from verifier_service.batcher import BatchConfig, Batcher, ServedEngine
+from verifier_service.engine import PrefixCacheConfig
 from verifier_service.gamma_cap import CapConfig, GammaCap
 from verifier_service.lifecycle import Ended, Lifetime, LifetimeConfig, cut_off
 from verifier_service.session import (
@@ -71,7 +71,7 @@ class ServerConfig:
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, engine: TargetEngine, config: ServerConfig):
+    def __init__(self, engine: ServedEngine, config: ServerConfig):
         self.engine = engine
         self.config = config
         self.stats = VerifierStats()
@@ -172,7 +172,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         key,
                         owner=client,
                         admit=lambda s: self.admission.admit(
-                            key, client, s.max_positions * self._bytes_per_position, loop.time()
+                            key, client, s.max_positions * self.engine.bytes_per_position, loop.time()
                         ),
                     )
                     opened = pb.SessionOpened(
@@ -279,11 +279,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 f"more than {per_second.limit} stale proposals in a second: the session is ended",
             )
 
-    @property
-    def _bytes_per_position(self) -> int:
-        """KV memory per cached position (0 for an engine that does not say: nothing is reserved)."""
-        return getattr(self.engine, "bytes_per_position", 0)
-
     async def drain(self, timeout_s: float, health_servicer=None) -> None:
         """Stops admitting (opens get UNAVAILABLE, health says NOT_SERVING), lets running sessions
         finish for up to `timeout_s`, then ends the rest with UNAVAILABLE."""
@@ -364,7 +359,7 @@ class VerifierServer:
         await self.server.wait_for_termination()
 
 
-async def start_server(engine: TargetEngine, config: ServerConfig) -> tuple[VerifierServer, int]:
+async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[VerifierServer, int]:
     """Starts the verifier, health and reflection services; returns the server and its bound port.
 
     Raises RuntimeError when the address cannot be bound.

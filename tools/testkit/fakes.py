@@ -60,9 +60,9 @@ def fake_info(vocab: int = VOCAB, max_context: int = 256) -> TargetInfo:
 
 
 class FakeEngine:
-    """The verifier's engine contract (`forward_many`, `release`, `adopt`, `info`) over per-session lengths
-    instead of KV caches, with what the servicer reads of a real engine besides (no kept caches), so that a
-    real server can run over it. Records every batch it runs."""
+    """The verifier's engine contract (verifier_service.batcher.ServedEngine: `forward_many`, `release`,
+    `adopt`, `info`, and what a server reads besides, with no kept caches) over per-session lengths
+    instead of KV caches, so that a real server runs over it in process. Records every batch it runs."""
 
     def __init__(self, info: TargetInfo | None = None):
         import torch  # the engine's contract is torch logits; the edge's fakes below need no torch
@@ -80,6 +80,7 @@ class FakeEngine:
         self.prefix_cache: dict = {}
         self.cache_bytes = 0
         self.active_sessions = 0
+        self.bytes_per_position = 0  # nothing to reserve: admission by memory admits every session
 
     def keep_finished(self, config, room=None) -> None:
         """The servicer's prefix-cache setting; the fake keeps no caches."""
