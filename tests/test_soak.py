@@ -8,7 +8,12 @@ from tools.soak import SoakConfig, passed, soak, summary_text
 
 pytestmark = pytest.mark.slow  # real servers (and a private Ray cluster) in subprocesses
 
-RSS_SLACK_MIB = 64  # what the verifier's RSS may gain after the warm-up, beyond its KV caches' growth
+# What the verifier's RSS may gain after the warm-up, beyond its KV caches' growth. In 20 s the allocator
+# is still settling (for about a minute, docs/soak.md): between 8 s and 22 s six runs of this build and
+# the one before gained 10 to 104 MiB. So this bound catches gross leaks only (over about 0.35 MiB a
+# generation: some 470 generations fall in the window); a leaked KV cache (about 0.2 MiB a generation
+# here) is test_faults' and test_kv_budget's to catch, a slow leak the five-minute soak's.
+RSS_SLACK_MIB = 160
 
 
 @pytest.mark.parametrize("against", ["serve", "pool"])
