@@ -118,17 +118,11 @@ def test_greedy_speculation_with_the_demo_pair_equals_transformers(tokenizer):
 
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from edge_client.session import EdgeSession, GenerationRequest
+    from tools.testkit.oracle import transformers_greedy
     from tools.testkit.serverproc import ServerProcess
 
     prompts = [w[:40] for w in heldout_windows(tokenizer, 4)]
-    target = AutoModelForCausalLM.from_pretrained(FILES.target, dtype=torch.float32).eval()
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32, pad_token_id=2
-        )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = transformers_greedy(FILES.target, prompts, 32)
     drafter = LlamaDrafter(DrafterConfig(FILES.gguf(DEMO_DRAFT)))
 
     async def run():
