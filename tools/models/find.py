@@ -25,9 +25,9 @@ def find_pair(models: Path | None) -> tuple[Path, Path]:
     name = "smollm2" if models is None else str(models)
     root = fetched[name] if name in fetched and not Path(name).is_dir() else Path(models)
     files = PairFiles(root)
-    drafts = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
-    drafts = drafts or sorted(root.glob("draft-*.gguf"))
-    if not (files.target / "config.json").is_file() or not drafts:
+    preferred = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
+    draft = preferred[0] if preferred else chunks.draft_file(root)
+    if not (files.target / "config.json").is_file() or draft is None:
         make = f"draftwire models fetch {name}" if name in fetched else f"draftwire models build --out {root}"
         raise FileNotFoundError(f"no model pair in {files.root}: run `{make}`")
-    return files.target, drafts[0]
+    return files.target, draft
