@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verifier_service.servicer import ServerConfig
+from verifier_service.grpc_kit import ServerConfig
 
 
 @dataclass(frozen=True)

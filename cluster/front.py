@@ -28,8 +28,7 @@ from cluster.pool import NoReplica, NoSuchNumerics, Pool
 from cluster.routing import State, soonest
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
-from verifier_service.lifecycle import LifetimeConfig, revocation
-from verifier_service.servicer import (
+from verifier_service.grpc_kit import (
     RETRY_AFTER,
     SERVICE,
     STATS_DENIED,
@@ -40,6 +39,7 @@ from verifier_service.servicer import (
     make_server,
     start_metrics,
 )
+from verifier_service.lifecycle import LifetimeConfig, revocation
 
 log = logging.getLogger(__name__)
 
@@ -153,20 +153,8 @@ class Front:
             )
         try:
             while True:
-                try:
-                    slot = await self.pool.acquire(exclude=tried, numerics=numerics)
-                except NoSuchNumerics as e:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-                except NoReplica as e:
-                    if refusals:  # every live replica refused: the edge hears the soonest retry
-                        await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                tried.add(slot.name)
-                # An anonymous edge is known by its connection to the front, so that the replica keeps
-                # its caches for it alone (not for every anonymous edge the front speaks for).
-                client = auth.caller()
-                metadata = self.pool.hop_metadata(auth.Identity(client_of(client, context), client.admin))
-                call = self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
+                slot = await self._slot(tried, numerics, refusals, context)
+                call = self._call(slot, context)
                 calls[:] = [call]
                 up = None
                 try:
@@ -190,7 +178,7 @@ class Front:
                 except asyncio.CancelledError:
                     if not revoked:  # the edge went away
                         raise
-                    await context.abort(revoked[0].code, str(revoked[0]))
+                    await context.abort(revoked[0].refusal.code, str(revoked[0]))
                 finally:
                     if up is not None:
                         up.cancel()
@@ -199,6 +187,29 @@ class Front:
         finally:
             if watch is not None:
                 watch.cancel()
+
+    async def _slot(self, tried: set, numerics: str, refusals: list, context):
+        """The least loaded live replica with the session's numerics that was not `tried` yet (now it is).
+        Ends the stream when there is none: with the soonest retry of the replicas' `refusals` when every
+        live one refused, else UNAVAILABLE (FAILED_PRECONDITION: none computes those numerics)."""
+        try:
+            slot = await self.pool.acquire(exclude=tried, numerics=numerics)
+        except NoSuchNumerics as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except NoReplica as e:
+            if refusals:  # every live replica refused: the edge hears the soonest retry
+                await _abort(context, refusals[soonest([_retry_after_ms(r) for r in refusals])])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        tried.add(slot.name)
+        return slot
+
+    def _call(self, slot, context):
+        """A Session call to the replica in `slot`, for the edge that calls the front. An anonymous edge is
+        known by its connection to the front, so that the replica keeps its caches for it alone (not for
+        every anonymous edge the front speaks for)."""
+        client = auth.caller()
+        metadata = self.pool.hop_metadata(auth.Identity(client_of(client, context), client.admin))
+        return self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
 
     async def _model_info(self, request: bytes, context) -> bytes:
         try:

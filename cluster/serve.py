@@ -10,7 +10,7 @@ from cluster.config import PoolConfig
 from cluster.front import Front
 from cluster.pool import Pool
 from draftwire import ports
-from verifier_service.servicer import wait_for_stop_signal
+from verifier_service.grpc_kit import wait_for_stop_signal
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def serve(args) -> int:
     from verifier_service.batcher import BatchConfig
     from verifier_service.engine import PrefixCacheConfig
     from verifier_service.gamma_cap import CapConfig
-    from verifier_service.servicer import ServerConfig
+    from verifier_service.grpc_kit import ServerConfig
     from verifier_service.session import VerifierLimits
 
     admission, lifetime = configs.limits(args)

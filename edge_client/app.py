@@ -102,6 +102,68 @@ class Outcome:
             "timings": timings(self.stats, len(self.prompt_ids)),
         }
 
+    def usage(self) -> dict:
+        return usage(len(self.prompt_ids), len(self.generated), self.stats.reused_positions)
+
+
+@dataclass
+class Reply:
+    """A reply being written as its Outcome grows: one JSON object (`whole`) or server-sent events
+    (`stream`), each ending with the figures (`extra`, the seed, the timings)."""
+
+    shape: ResponseShape
+    outcome: Outcome
+    figures: dict
+    wants_logprobs: bool
+    sent: int = 0  # logprobs entries already sent
+
+    def unsent(self) -> list[dict] | None:
+        if not self.wants_logprobs:
+            return None
+        fresh, self.sent = self.outcome.logprobs[self.sent :], len(self.outcome.logprobs)
+        return fresh
+
+    def _end(self) -> dict:
+        self.figures["timings"] = timings(self.outcome.stats, len(self.outcome.prompt_ids))
+        return self.figures
+
+    def whole(self) -> web.Response:
+        o = self.outcome
+        return web.json_response(
+            self.shape.complete(o.text, o.finish_reason, o.usage(), self._end(), self.unsent())
+        )
+
+    async def stream(self, request: web.Request, run, first: str | None, include_usage: bool):
+        """Sends `first` and every piece `run` yields as events, then the final chunk, the usage (when
+        asked) and `data: [DONE]`. A failure mid-reply ends it with an error event and no [DONE], so no
+        client takes it as whole; a client that goes away ends it quietly (closing `run` cancels the
+        verifier's session)."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        shape, chat = self.shape, self.shape.chat
+        try:
+            if chat:
+                await _send(response, shape.chunk("", first=True))
+            piece = first
+            while piece is not None:
+                fresh = self.unsent()
+                await _send(
+                    response, shape.chunk(piece, logprobs=fresh) if chat else shape.text_chunk(piece, fresh)
+                )
+                piece = await anext(run, None)
+            await _send(response, shape.final_chunk(self.outcome.finish_reason, self._end(), self.unsent()))
+            if include_usage:
+                await _send(response, shape.usage_chunk(self.outcome.usage()))
+            await response.write(b"data: [DONE]\n\n")
+        except VerifierError as e:
+            with contextlib.suppress(ConnectionError):
+                await _send(response, error_body(e.details, HTTP_STATUS.get(e.code, 502), code=e.code.name))
+        except ConnectionError:
+            log.info("client disconnected mid-reply")
+        return response
+
 
 @dataclass
 class Contexts:
@@ -588,66 +650,20 @@ class EdgeApp:
         await self._connected()
         seed = req.settings.sampling().seed
         outcome = Outcome("", "cancelled", prompt, [], GenerationStats(), seed)
-        figures = {**(extra or {}), "seed": seed}
+        reply = Reply(shape, outcome, {**(extra or {}), "seed": seed}, req.settings.logprobs is not None)
         run = self._reply(prompt, req.settings, outcome)
-        sent = 0  # logprobs entries already sent
-
-        def unsent() -> list[dict] | None:
-            nonlocal sent
-            if req.settings.logprobs is None:
-                return None
-            fresh, sent = outcome.logprobs[sent:], len(outcome.logprobs)
-            return fresh
-
         try:
             async with contextlib.aclosing(run):
                 first = await anext(run, None)  # a refusal of the open raises here
                 if not req.stream:
                     async for _ in run:
                         pass
-                    figures["timings"] = timings(outcome.stats, len(prompt))
-                    body = shape.complete(
-                        outcome.text, outcome.finish_reason, self._usage(outcome), figures, unsent()
-                    )
-                    return web.json_response(body)
-                response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await response.prepare(request)
-                try:
-                    if chat:
-                        await _send(response, shape.chunk("", first=True))
-                    piece = first
-                    while piece is not None:
-                        fresh = unsent()
-                        await _send(
-                            response,
-                            shape.chunk(piece, logprobs=fresh) if chat else shape.text_chunk(piece, fresh),
-                        )
-                        piece = await anext(run, None)
-                    figures["timings"] = timings(outcome.stats, len(prompt))
-                    await _send(response, shape.final_chunk(outcome.finish_reason, figures, unsent()))
-                    if req.include_usage:
-                        await _send(response, shape.usage_chunk(self._usage(outcome)))
-                    await response.write(b"data: [DONE]\n\n")
-                except (
-                    VerifierError
-                ) as e:  # mid-reply: an error event and no [DONE], so no client takes it as whole
-                    with contextlib.suppress(ConnectionError):
-                        await _send(
-                            response, error_body(e.details, HTTP_STATUS.get(e.code, 502), code=e.code.name)
-                        )
-                except ConnectionError:  # the client went away: closing `run` cancels the verifier's session
-                    log.info("client disconnected mid-reply")
-                return response
+                    return reply.whole()
+                return await reply.stream(request, run, first, req.include_usage)
         finally:
             self.metrics.reply(outcome)
             if on_done is not None and (outcome.generated or outcome.finish_reason != "cancelled"):
                 on_done(outcome)
-
-    @staticmethod
-    def _usage(outcome: Outcome) -> dict:
-        return usage(len(outcome.prompt_ids), len(outcome.generated), outcome.stats.reused_positions)
 
 
 class EdgeMetrics:

@@ -1,7 +1,6 @@
 """Bad input gets a clear status; the server, other sessions and committed tokens survive it."""
 
 import asyncio
-import math
 from pathlib import Path
 
 import grpc
@@ -14,136 +13,28 @@ from draftwire.vocab import vocabulary_from_llama
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.llama_runtime import Llama
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
+from tests.bad_input_cases import (
+    CASES,
+    INVALID,
+    PRECONDITION,
+    PROMPT,
+    START,
+    exchange,
+    open_msg,
+    proposal,
+    refused,
+)
 from tools.models.kit import llama_cpp_source_dir
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
 pytestmark = pytest.mark.slow  # real servers, models or clusters in subprocesses
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
-
-PROMPT = [5, 60, 70, 80]
-
 
 @pytest.fixture(scope="module")
 def info(server) -> pb.ModelInfo:
     with grpc.insecure_channel(server.address) as channel:
         return pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
-
-
-def open_msg(
-    info, prompt=PROMPT, max_new=16, fingerprint=None, top_logprobs=None, **sampling
-) -> pb.EdgeMessage:
-    return pb.EdgeMessage(
-        open=pb.OpenSession(
-            top_logprobs=top_logprobs,
-            prompt_token_ids=prompt,
-            sampling=pb.SamplingParams(**sampling),
-            stop=pb.StopConditions(max_new_tokens=max_new, ignore_eos=True),
-            tokenizer_fingerprint=info.tokenizer_fingerprint if fingerprint is None else fingerprint,
-            vocab_size=info.vocab_size,
-        )
-    )
-
-
-def proposal(round_no, start, draft, assumed=()) -> pb.EdgeMessage:
-    return pb.EdgeMessage(
-        proposal=pb.Proposal(
-            round=round_no, start_position=start, draft_token_ids=draft, assumed_token_ids=assumed
-        )
-    )
-
-
-async def exchange(address: str, messages: list[pb.EdgeMessage]) -> tuple[list, grpc.aio.AioRpcError | None]:
-    """Sends the messages, half-closes, and collects the replies until the stream ends."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        call = pb_grpc.VerifierStub(channel).Session(iter(messages))
-        replies = []
-        try:
-            async for reply in call:
-                replies.append(reply)
-        except grpc.aio.AioRpcError as e:
-            return replies, e
-        return replies, None
-
-
-def refused(address, messages, code, pattern):
-    replies, error = asyncio.run(exchange(address, messages))
-    assert error is not None, f"expected {code.name}, got replies {replies}"
-    assert error.code() == code, error.details()
-    assert pattern.lower() in error.details().lower(), error.details()
-    return replies
-
-
-START = len(PROMPT)  # start position of the first proposal
-
-
-CASES = [
-    pytest.param(lambda i: [open_msg(i, prompt=[])], INVALID, "prompt is empty", id="empty prompt"),
-    pytest.param(
-        lambda i: [open_msg(i, prompt=[1, 10**6])], INVALID, "outside the vocabulary", id="prompt id"
-    ),
-    pytest.param(lambda i: [open_msg(i, max_new=600)], INVALID, "exceeds the target's context", id="context"),
-    pytest.param(
-        lambda i: [open_msg(i, temperature=-1.0)], INVALID, "temperature", id="negative temperature"
-    ),
-    pytest.param(lambda i: [open_msg(i, temperature=math.nan)], INVALID, "temperature", id="nan temperature"),
-    pytest.param(lambda i: [open_msg(i, temperature=math.inf)], INVALID, "temperature", id="inf temperature"),
-    pytest.param(lambda i: [open_msg(i, temperature=1.0, top_p=0.0)], INVALID, "top_p", id="top-p 0"),
-    pytest.param(lambda i: [open_msg(i, temperature=1.0, top_p=1.5)], INVALID, "top_p", id="top-p 1.5"),
-    pytest.param(
-        lambda i: [open_msg(i, frequency_penalty=2.5)], INVALID, "frequency_penalty", id="frequency penalty"
-    ),
-    pytest.param(
-        lambda i: [open_msg(i, presence_penalty=-3.0)], INVALID, "presence_penalty", id="presence penalty"
-    ),
-    pytest.param(
-        lambda i: [open_msg(i, repetition_penalty=0.0)], INVALID, "repetition_penalty", id="repetition 0"
-    ),
-    pytest.param(lambda i: [open_msg(i, logit_bias={5: 200.0})], INVALID, "logit_bias", id="bias range"),
-    pytest.param(
-        lambda i: [open_msg(i, logit_bias={10**6: 1.0})], INVALID, "logit_bias token id", id="bias id"
-    ),
-    pytest.param(lambda i: [open_msg(i, top_logprobs=21)], INVALID, "top_logprobs", id="top logprobs"),
-    pytest.param(lambda i: [proposal(1, 4, [1])], INVALID, "first message", id="proposal before open"),
-    pytest.param(lambda i: [open_msg(i), open_msg(i)], INVALID, "already open", id="second open"),
-    pytest.param(lambda i: [open_msg(i), proposal(2, START, [1])], INVALID, "out of order", id="round gap"),
-    pytest.param(
-        lambda i: [open_msg(i), proposal(1, START, [1]), proposal(1, START, [1])],
-        INVALID,
-        "out of order",
-        id="repeat",
-    ),
-    pytest.param(lambda i: [open_msg(i), proposal(1, START, [])], INVALID, "gamma 0", id="gamma 0"),
-    pytest.param(
-        lambda i: [open_msg(i), proposal(1, START, [1] * 9)], INVALID, "gamma 9", id="gamma over max"
-    ),
-    pytest.param(
-        lambda i: [open_msg(i), proposal(1, START, [1, 99999])],
-        INVALID,
-        "outside the vocabulary",
-        id="draft id",
-    ),
-    pytest.param(
-        lambda i: [open_msg(i), proposal(1, START, [1], assumed=[80, 99999])],
-        INVALID,
-        "outside the vocabulary",
-        id="assumed id",
-    ),
-    pytest.param(
-        lambda i: [open_msg(i), proposal(1, START, [1], assumed=[80] * 10)],
-        INVALID,
-        "assumed tokens",
-        id="assumed over max",
-    ),
-    pytest.param(
-        lambda i: [open_msg(i, max_new=1), proposal(1, START, [1]), proposal(2, START + 1, [1])],
-        PRECONDITION,
-        "finished",
-        id="proposal after finish",
-    ),
-]
 
 
 def test_assumed_tokens_decide_staleness_even_after_a_finish(server, info):

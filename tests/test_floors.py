@@ -5,6 +5,11 @@ tools/                      benches, load test, fuzz, soak, model fetching and b
 cluster/                    the Ray pool, above the verifier
 edge_client/  verifier_service/   side by side, never importing each other
 draftwire/                  the shared core (contract, rules, vocab) and the wire
+
+Inside a package the same holds: the verifier reads gRPC kit (grpc_kit) → translating servicer →
+stream → session, batcher, admission, lifecycle, and below the servicer nothing speaks grpc; the edge
+reads transport (session) → policy (planner, adaptive), the policy grpc-free. No product function is
+longer than a screen (MAX_FUNCTION_LINES).
 """
 
 import ast
@@ -33,7 +38,27 @@ FORBIDDEN = {
     "draftwire/vocab.py": {"grpc", "torch", "ray", "transformers"},
     "edge_client": {"torch", "transformers", "ray", "verifier_service", "cluster"},
     "draftwire": {"torch", "transformers", "ray"},
+    # Below the servicer, the verifier knows nothing of the wire: its endings are its own exceptions.
+    **{
+        f"verifier_service/{m}.py": {"grpc", "google", "grpc_health", "grpc_reflection", "ray"}
+        for m in ("stream", "session", "lifecycle", "admission", "batcher", "engine", "gamma_cap")
+    },
+    **{f"edge_client/{m}.py": {"grpc", "google", "llama_cpp"} for m in ("planner", "adaptive")},
 }
+# Modules of our own a module must not import: the upper layers inside a package.
+NOT_BELOW = {
+    "verifier_service/stream.py": {
+        "verifier_service.servicer",
+        "verifier_service.grpc_kit",
+        "verifier_service.auth",
+    },
+    "verifier_service/grpc_kit.py": {"verifier_service.servicer"},
+    # The pool's front relays bytes: it needs the kit, never the servicer or the sessions.
+    "cluster/front.py": {"verifier_service.servicer", "verifier_service.stream", "verifier_service.session"},
+    "edge_client/planner.py": {"edge_client.session", "edge_client.app"},
+}
+PRODUCT = ("draftwire", "edge_client", "verifier_service", "cluster", "draftwire_cli")
+MAX_FUNCTION_LINES = 60
 
 
 def modules() -> dict[str, set[str]]:
@@ -108,3 +133,23 @@ def test_no_circle_of_imports():
 
 def test_no_module_imports_anothers_private_names():
     assert private_imports() == []
+
+
+@pytest.mark.parametrize("path, banned", sorted(NOT_BELOW.items()))
+def test_layers_inside_a_package_run_one_way(path, banned):
+    imports = modules()[path]
+    assert not imports & banned, f"{path} imports a layer above it: {sorted(imports & banned)}"
+
+
+def test_no_product_function_is_longer_than_a_screen():
+    long = []
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            if "v1" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert long == []

@@ -16,7 +16,8 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service.admission import AdmissionConfig
 from verifier_service.engine import GrowingLayer, PrefixCache, PrefixCacheConfig, TargetEngine, _Cache
-from verifier_service.servicer import ServerConfig, available_memory, sized, start_server
+from verifier_service.servicer import ServerConfig, start_server
+from verifier_service.stream import available_memory, sized
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 MiB = 1 << 20
@@ -138,7 +139,7 @@ async def _budget_scenario() -> dict:
             calls = [await hold(stub, seed) for seed in range(SESSIONS)]
             assert not any(isinstance(c, grpc.aio.AioRpcError) for c in calls)
             figures |= {
-                "reserved": servicer.admission.kv_reserved,
+                "reserved": servicer.verifier.admission.kv_reserved,
                 "live": engine.live_cache_bytes,
                 "rss_growth": rss() - before,
             }

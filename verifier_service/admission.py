@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class AdmissionConfig:
     """On by default: at most 256 sessions, and a KV budget the server sizes from the memory it has
     (None: half the memory available when it starts), of which one client may reserve at most half. A
-    client is its token's or certificate's name, else its connection (verifier_service/servicer.py)."""
+    client is its token's or certificate's name, else its connection (grpc_kit.client_of)."""
 
     max_sessions: int = 256  # sessions open at once on this verifier; 0: no cap
     max_sessions_per_client: int = 0  # sessions one client holds open at once; 0: no cap

@@ -1,6 +1,7 @@
-"""How long a session may live on the verifier: an idle timeout, a maximum age, and the drain that
-ends the rest when the server shuts down. The servicer reads a session's messages through `messages`
-and writes its replies through `sent`.
+"""How long a session may live on the verifier: an idle timeout, a maximum age, the revocation of its
+credentials, and the drain that ends the rest when the server shuts down. The stream reads a session's
+messages through `messages` and writes its replies through `sent`. No grpc here: the ways a session
+ends are the project's own exceptions, which the servicer turns into statuses.
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-
-import grpc
 
 
 @dataclass(frozen=True)
@@ -23,31 +22,42 @@ class LifetimeConfig:
 
 
 class Ended(Exception):
-    """The verifier ends a session for its own reasons: `code` is the status the edge gets."""
+    """The verifier ends a session for its own reasons (one of the subclasses says which)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+
+class TimedOut(Ended):
+    """Idle too long, a reply unread too long, or older than the maximum age (DEADLINE_EXCEEDED)."""
+
+
+class ShutDown(Ended):
+    """The drain's time is up, or the verifier admits no new session while draining (UNAVAILABLE)."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(message or SHUTTING_DOWN)
+
+
+class Revoked(Ended):
+    """The credentials the session was admitted with no longer admit it; `refusal` is what the
+    authentication layer says of them (its status and message)."""
+
+    def __init__(self, refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
 
 
 SHUTTING_DOWN = "the verifier is shutting down: resume elsewhere with the committed tokens"
 
 
-def cut_off() -> Ended:
-    """The end of a session the drain did not let finish (the edge resumes elsewhere)."""
-    return Ended(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-
-
-async def revocation(admitted: Callable, every_s: float) -> Ended:
+async def revocation(admitted: Callable, every_s: float) -> Revoked:
     """Rechecks a session's credentials every `every_s` (`admitted()`: None while they admit it, else a
-    refusal with `code` and `message`) and returns how the session ends once two checks in a row
-    refuse it: within 2 × every_s of a revocation, and a token file caught mid-write ends nothing."""
+    refusal) and returns how the session ends once two checks in a row refuse it: within 2 × every_s
+    of a revocation, and a token file caught mid-write ends nothing."""
     refused_before = False
     while True:
         await asyncio.sleep(every_s)
         refusal = admitted()
         if refusal is not None and refused_before:
-            return Ended(refusal.code, refusal.message)
+            return Revoked(refusal)
         refused_before = refusal is not None
 
 
@@ -61,7 +71,7 @@ class Lifetime:
         loop = asyncio.get_running_loop()
         self.opened_at = loop.time()
         self.revoked = asyncio.Event()  # set when the credentials no longer admit the session
-        self._revocation: Ended | None = None
+        self._revocation: Revoked | None = None
         self._watch = loop.create_task(self._recheck(admitted)) if admitted is not None else None
 
     def close(self) -> None:
@@ -79,11 +89,11 @@ class Lifetime:
         """Raises Ended when the session must end now (the drain cut it, its credentials were revoked, or
         it is too old)."""
         if self.cut.is_set():
-            raise cut_off()
+            raise ShutDown()
         if self._revocation is not None:
             raise self._revocation
         if self.age_left() <= 0:
-            raise Ended(grpc.StatusCode.DEADLINE_EXCEEDED, self._too_old())
+            raise TimedOut(self._too_old())
 
     def _too_old(self) -> str:
         return f"the session reached the verifier's maximum age of {self.config.max_age_s:g} s"
@@ -106,8 +116,7 @@ class Lifetime:
                 if read not in done:
                     read.cancel()
                     self.check()
-                    raise Ended(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    raise TimedOut(
                         f"no message from the edge for {self.config.idle_timeout_s:g} s: "
                         "the session ended and its cache was freed",
                     )
@@ -146,8 +155,7 @@ class Lifetime:
                 write.cancel()
         if write not in done:
             self.check()
-            raise Ended(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise TimedOut(
                 f"the edge read no reply for {self.config.idle_timeout_s:g} s: "
                 "the session ended and its cache was freed",
             )

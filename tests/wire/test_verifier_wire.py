@@ -1,0 +1,279 @@
+"""The verifier's own server, in process over the fake engine: every bad input gets its status and the
+server survives it, caps and the KV budget refuse with a retry hint, idle and flooding sessions end, the
+drain refuses opens and then cuts, thin sessions stay within their read-ahead. The same server code as
+`serve`; the subprocess versions with a real model (test_bad_input, test_limits, test_drain, test_thin)
+are the real-parts check of the thorough tier."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from draftwire import wire
+from draftwire.contract import SamplingParams, SessionSpec
+from draftwire.v1 import draftwire_pb2 as pb
+from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from tests.bad_input_cases import CASES, INVALID, PROMPT, START, exchange, open_msg, proposal, refused
+from tools.testkit.fakes import FakeEngine, fake_info, successor
+from tools.testkit.inprocess import InProcessServer
+from verifier_service.admission import AdmissionConfig
+from verifier_service.lifecycle import LifetimeConfig
+from verifier_service.servicer import ServerConfig, VerifierLimits
+
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+VOCAB, CONTEXT = 1000, 512
+
+
+def engine() -> FakeEngine:
+    return FakeEngine(fake_info(vocab=VOCAB, max_context=CONTEXT))
+
+
+def config(**kw) -> ServerConfig:
+    return ServerConfig(port=0, limits=VerifierLimits(max_gamma=8), **kw)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with InProcessServer(engine(), config()) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def info(server) -> pb.ModelInfo:
+    with grpc.insecure_channel(server.address) as channel:
+        return pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+
+
+@pytest.mark.parametrize("build, code, pattern", CASES)
+def test_bad_input_is_refused_and_the_server_survives(server, info, build, code, pattern):
+    refused(server.address, build(info), code, pattern)
+    assert server.healthy()
+
+
+def test_an_oversize_message_is_resource_exhausted(server, info):
+    huge = open_msg(info, prompt=[300] * 700_000)  # 2 bytes an id: 1.4 MB, over the 1 MiB limit
+    refused(server.address, [huge], EXHAUSTED, "")
+    assert server.healthy()
+
+
+def test_bytes_that_are_no_message_are_invalid_argument(server):
+    async def run():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = channel.stream_stream("/draftwire.v1.Verifier/Session")(iter([b"\xff\xff\xff"]))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in call:
+                    pass
+            return error.value
+
+    error = asyncio.run(run())
+    assert error.code() == INVALID and "not an EdgeMessage" in error.details()
+
+
+def committed_after(replies, draft_by_round) -> list[int]:
+    committed = list(PROMPT)
+    for reply in replies:
+        if reply.WhichOneof("kind") == "verdict":
+            v = reply.verdict
+            committed += list(draft_by_round[v.round][: v.accepted]) + [v.target_token_id]
+    return committed
+
+
+def test_committed_tokens_survive_a_refused_proposal_and_the_session_resumes(server, info):
+    """Two good rounds, then an out-of-order proposal ends the stream; a new session opened with the
+    committed tokens goes on to exactly the target's own continuation."""
+    expected = PROMPT + continuation(PROMPT, 12)
+    drafts = {1: expected[4:7], 2: [expected[8], 999]}  # all accepted, then one of two
+    messages = [open_msg(info, max_new=12), proposal(1, START, drafts[1]), proposal(2, START + 4, drafts[2])]
+    replies, error = asyncio.run(exchange(server.address, [*messages, proposal(9, 99, [1])]))
+    assert error.code() == INVALID and "out of order" in error.details()
+    committed = committed_after(replies, drafts)
+    assert committed == expected[: len(committed)] and len(committed) == 4 + 4 + 2
+
+    resumed = open_msg(info, max_new=12)
+    resumed.open.generated_token_ids.extend(committed[4:])
+    rest = expected[len(committed) :]
+    replies, error = asyncio.run(exchange(server.address, [resumed, proposal(1, len(committed), rest)]))
+    assert error is None
+    v = replies[-1].verdict
+    assert v.accepted == len(rest) - 1 and v.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_the_global_cap_refuses_with_a_retry_hint_and_a_release_makes_room():
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            first, second, third = [await opened(channel) for _ in range(3)]
+            first.cancel()
+            await asyncio.sleep(0.1)
+            return second, third, await opened(channel)
+
+    with InProcessServer(engine(), config(admission=AdmissionConfig(max_sessions=2))) as srv:
+        second, third, after = asyncio.run(run(srv.address))
+    assert not isinstance(second, grpc.aio.AioRpcError)
+    assert third.code() == EXHAUSTED and "maximum of 2 sessions" in third.details() and retry_hint(third) > 0
+    assert not isinstance(after, grpc.aio.AioRpcError)
+
+
+def test_one_connection_cannot_take_another_connections_share():
+    """Anonymous callers are known by their connection: one that holds its share leaves the other's."""
+    admission = AdmissionConfig(max_sessions_per_client=1)
+
+    async def run(address):
+        async with connection(address) as a, connection(address) as b:
+            return [await opened(a), await opened(a), await opened(b)]
+
+    with InProcessServer(engine(), config(admission=admission)) as srv:
+        first, again, other = asyncio.run(run(srv.address))
+    assert not isinstance(first, grpc.aio.AioRpcError) and not isinstance(other, grpc.aio.AioRpcError)
+    assert again.code() == EXHAUSTED and "maximum of 1 sessions" in again.details()
+
+
+def test_a_session_past_the_kv_budget_is_refused_before_any_work():
+    fake = engine()
+    fake.bytes_per_position = 1000
+    admission = AdmissionConfig(kv_budget_bytes=100 * 1000, client_kv_share=1)
+
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await opened(channel, max_new=200), await opened(channel, max_new=50)
+
+    with InProcessServer(fake, config(admission=admission)) as srv:
+        big, small = asyncio.run(run(srv.address))
+        prefills = [f for batch in fake.batches for f in batch]
+    assert big.code() == EXHAUSTED and "KV cache" in big.details() and retry_hint(big) > 0
+    assert not isinstance(small, grpc.aio.AioRpcError)
+    assert len(prefills) == 1  # the small session's prefill only
+
+
+def test_an_idle_session_ends_with_deadline_exceeded_and_frees_its_cache():
+    fake = engine()
+
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = await opened(channel)
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call.read()
+            return error.value, time.monotonic() - start
+
+    with InProcessServer(fake, config(lifetime=LifetimeConfig(idle_timeout_s=0.3))) as srv:
+        error, waited = asyncio.run(run(srv.address))
+        time.sleep(0.1)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "freed" in error.details()
+    assert 0.25 <= waited < 3 and len(fake.released) == 1 and not fake.held
+
+
+def test_a_stale_flood_ends_the_session():
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = await opened(channel)
+            verdicts = 0
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                for r in range(1, 40):  # one at a time: a write racing the end would hide its status
+                    await call.write(proposal(r, 99, [1]))
+                    verdicts += (await call.read()).verdict.stale
+            return verdicts, error.value
+
+    with InProcessServer(engine(), config(admission=AdmissionConfig(max_stale_per_s=5))) as srv:
+        verdicts, error = asyncio.run(run(srv.address))
+    assert error.code() == EXHAUSTED and "stale proposals in a second" in error.details()
+    assert verdicts == 5
+
+
+def test_the_drain_refuses_new_opens_then_cuts_the_running_sessions():
+    async def run(srv):
+        async with grpc.aio.insecure_channel(srv.address) as channel:
+            running = await opened(channel)
+            drain = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(srv.server.drain(0.3), srv.loop))
+            await asyncio.sleep(0.1)
+            refused_open = await opened(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await running.read()
+            await drain
+            return refused_open, cut.value
+
+    srv = InProcessServer(engine(), config())
+    refused_open, cut = asyncio.run(run(srv))
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+    assert refused_open.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused_open.details()
+    assert cut.code() == grpc.StatusCode.UNAVAILABLE and "resume elsewhere" in cut.details()
+
+
+def test_a_thin_session_plays_no_further_than_read_ahead_and_refuses_proposals():
+    limits = VerifierLimits(max_gamma=8, read_ahead=8)
+
+    async def run(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = pb_grpc.VerifierStub(channel).Session()
+            await call.write(pb.EdgeMessage(open=thin_spec(200)))
+            replies = [await call.read() for _ in range(9)]  # opened, then a round a token
+            await asyncio.sleep(0.2)
+            await call.write(
+                pb.EdgeMessage(read=pb.Read(committed_length=replies[-1].verdict.committed_length))
+            )
+            more = await call.read()
+            await call.write(proposal(1, 3, [1]))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                while True:
+                    await call.read()
+            return replies, more, error.value
+
+    with InProcessServer(engine(), ServerConfig(port=0, limits=limits)) as srv:
+        replies, more, error = asyncio.run(run(srv.address))
+    assert replies[0].opened.read_ahead == 8
+    assert [r.verdict.committed_length for r in replies[1:]] == list(range(4, 12))
+    assert more.verdict.committed_length == 12
+    assert error.code() == INVALID and "thin session takes no proposals" in error.details()
+
+
+def test_a_thin_read_out_of_bounds_is_refused(server):
+    replies, error = asyncio.run(
+        exchange(
+            server.address,
+            [pb.EdgeMessage(open=thin_spec(4)), pb.EdgeMessage(read=pb.Read(committed_length=99))],
+        )
+    )
+    assert error.code() == INVALID and "read up to 99" in error.details()
+
+
+# Helpers.
+
+
+def plain_open(max_new: int = 16) -> pb.EdgeMessage:
+    spec = SessionSpec(tuple(PROMPT), SamplingParams(), max_new, ignore_eos=True)
+    return pb.EdgeMessage(open=wire.spec_to_proto(spec))
+
+
+def thin_spec(max_new: int) -> pb.OpenSession:
+    stop = pb.StopConditions(max_new_tokens=max_new, ignore_eos=True)
+    return pb.OpenSession(prompt_token_ids=[5, 6, 7], stop=stop, drafting=pb.DRAFTING_NONE)
+
+
+async def opened(channel, max_new: int = 16):
+    """A session opened and held (its call), or the AioRpcError of its refusal."""
+    call = pb_grpc.VerifierStub(channel).Session()
+    await call.write(plain_open(max_new))
+    try:
+        assert (await call.read()).WhichOneof("kind") == "opened"
+    except grpc.aio.AioRpcError as e:
+        return e
+    return call
+
+
+def continuation(sequence: list[int], count: int) -> list[int]:
+    """The fake target's greedy tokens after `sequence`."""
+    out = [sequence[-1]]
+    for _ in range(count):
+        out.append(successor(out[-1], VOCAB))
+    return out[1:]
+
+
+def retry_hint(error: grpc.aio.AioRpcError) -> int:
+    return int(dict(error.trailing_metadata())["retry-after-ms"])
+
+
+def connection(address: str) -> grpc.aio.Channel:
+    """A channel on a TCP connection of its own (channels of one process share connections otherwise)."""
+    return grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
