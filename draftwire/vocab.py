@@ -20,7 +20,7 @@ refused pairs made from one file. Normal, user-defined, byte and promoted-contro
 tokens are therefore one kind: text.
 
 Whether the two tokenizers split text the same way (merges, pre-tokenizer regex, normalizer) is not in
-a per-id table at all and so not in the fingerprint: tests/test_vocab.py checks it family by family
+a per-id table at all and so not in the fingerprint: tests/exact/test_vocab.py checks it family by family
 against llama.cpp's own expected tokenizations (docs/vocabularies.md has the matrix), and the demo and
 SmolLM2 tests on held-out text.
 

@@ -1,4 +1,14 @@
-"""Shared fixtures: a small model pair built from local data, and a real verifier on a loopback port."""
+"""The tiers, and the shared fixtures: a small model pair built from local data, and a real verifier on a
+loopback port.
+
+A test's tier is its folder, and its marker comes from there:
+- tests/unit: no sockets, no model files; tests/wire: in-process gRPC over the fake engine, the edge app
+  against an in-process verifier. Together the fast tier, what plain `python -m pytest` runs; a test
+  there whose setup, call or teardown takes over FAST_TIER_LIMIT_S fails (move it, or make it fast).
+- tests/exact: real models, exactness against transformers and `reference`; tests/system: Ray,
+  Chromium, fuzz, soak, faults, subprocess servers, cluster jobs, bench smoke. The thorough tier:
+  `python -m pytest tests` runs everything.
+"""
 
 import os
 
@@ -38,3 +48,41 @@ def server(test_pair):
     srv = ServerProcess(test_pair.target_dir, "--max-gamma", "8", "--dtype", "float32")
     yield srv
     srv.stop()
+
+
+TIERS = ("unit", "wire", "exact", "system")
+FAST = ("unit", "wire")
+FAST_TIER_LIMIT_S = 2.0
+
+
+def tier_of(path) -> str:
+    """The tier of a test file: the folder under tests/ it sits in."""
+    parts = path.parts
+    i = len(parts) - 1 - parts[::-1].index("tests")
+    tier = parts[i + 1] if i + 2 < len(parts) else ""
+    if tier not in TIERS:
+        raise pytest.UsageError(f"{path}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/")
+    return tier
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: a test in tests/{tier}/ (marked from its folder)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(tier_of(item.path))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    fast = any(item.get_closest_marker(t) for t in FAST)
+    if fast and report.passed and call.duration > FAST_TIER_LIMIT_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {call.duration:.1f} s in its {call.when}: over the fast tier's "
+            f"{FAST_TIER_LIMIT_S:g} s (make it faster, or move it to tests/exact or tests/system)"
+        )
+    return report

@@ -4,8 +4,8 @@ A target is a transformers causal LM run through the engine's own caches and att
 (verifier_service/engine.py). That reproduces a family's forward only where the family computes each
 position from its token, its position id and the keys and values before it, through transformers'
 attention interface. `FAMILIES` records, per `config.model_type`, what the matrix test
-(tests/test_families.py, a tiny random model of each family) found; docs/families.md is rendered from
-it (`python -m tests.test_families --write-docs`).
+(tests/exact/test_families.py, a tiny random model of each family) found; docs/families.md is rendered from
+it (`python -m tests.exact.test_families --write-docs`).
 
 At load every target, of a listed family or not, is checked against its own forward
 (`TargetEngine.check_conformance`) and, in bit-exact mode, for invariance (`check_invariance`); a

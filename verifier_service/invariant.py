@@ -4,7 +4,7 @@ A position's logits must be a function of its token, its position and the cache 
 whatever else is in the forward (the other positions of its round, other sessions' rows, padding). With
 torch's defaults on CPU two kinds of op break that (measured on SmolLM2-135M, torch 2.13, MKL 2024.2,
 oneDNN 3.12, a Xeon with AVX-512 and AMX, and an AMD EPYC with AVX512-BF16; see
-tests/test_invariant_kernels.py):
+tests/unit/test_invariant_kernels.py):
 
 - `F.linear`. In float32 it goes to MKL, which runs one row as a gemv and more rows as a gemm with a
   blocking that changes again with the row count and the thread count. In bfloat16 it goes to oneDNN

@@ -1,0 +1,96 @@
+"""Adaptive speculation changes nothing in the output: with γ and pipeline depth chosen online (and moving
+during the generation), the edge's tokens equal the target alone's (`draftwire reference`), greedy and
+seeded, over loopback and through a delaying proxy. Runs in CI's edge-only environment too (no torch).
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from draftwire.contract import SamplingParams
+from edge_client.adaptive import Tuner, TunerConfig
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.session import EdgeSession, GenerationRequest
+from tools.testkit.netdelay import DelayConfig, DelayProxy
+from tools.testkit.serverproc import ServerProcess
+
+DEMO = Path(__file__).resolve().parents[3] / "models" / "demo"
+EDGE = str(Path(sys.executable).parent / "draftwire")
+VERIFIER = os.environ.get("DRAFTWIRE_VERIFIER") or EDGE
+PROMPTS = ((15, 27, 300, 1024, 77, 5, 900), (40, 41, 42, 43, 44), (7, 1999, 310, 12))
+NEW = 48
+SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.8, seed=11)}
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    with ServerProcess(DEMO / "target", executable=VERIFIER) as server:
+        yield server
+
+
+def _reference(prompt: tuple[int, ...], params: SamplingParams, new: int = NEW) -> list[int]:
+    argv = [VERIFIER, "reference", "--target", str(DEMO / "target"), "--json", "--ignore-eos"]
+    argv += ["--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new)]
+    argv += ["--temperature", str(params.temperature), "--seed", str(params.seed)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["token_ids"]
+
+
+class RecordingDrafter(LlamaDrafter):
+    """Records the γ of every drafter call, to show that the choice moved."""
+
+    gammas: list[int]
+
+    def propose(self, sequence, gamma, params, stop_token_ids=(), prompt_length=0):
+        self.gammas.append(gamma)
+        return super().propose(sequence, gamma, params, stop_token_ids, prompt_length)
+
+
+async def _adaptive(
+    address: str, params: SamplingParams, rtt_ms: float
+) -> tuple[list[list[int]], Tuner, list[int]]:
+    drafter = RecordingDrafter(DrafterConfig(DEMO / "draft-q8_0.gguf", n_threads=1))
+    drafter.gammas = []
+    host, port = address.rsplit(":", 1)
+    proxy = await DelayProxy(DelayConfig(host, int(port), rtt_ms / 1000)).start() if rtt_ms else None
+    try:
+        async with grpc.aio.insecure_channel(proxy.address if proxy else address) as channel:
+            session = EdgeSession(channel, drafter)
+            # Starts at γ 1 without pipelining and may move after every round: the choice moves.
+            session.tuner = Tuner(TunerConfig(initial=(1, 0), warmup=1, dwell=1))
+            outputs = []
+            for prompt in PROMPTS:
+                request = GenerationRequest(prompt, params, NEW, None, ignore_eos=True, pipeline=None)
+                outputs.append((await session.run(request))[0])
+    finally:
+        if proxy:
+            await proxy.stop()
+    return outputs, session.tuner, drafter.gammas
+
+
+@pytest.mark.parametrize("rtt_ms", [0, 20])
+@pytest.mark.parametrize("mode", SAMPLINGS)
+def test_adaptive_generation_equals_the_target_alone(verifier, mode, rtt_ms):
+    params = SAMPLINGS[mode]
+    outputs, tuner, gammas = asyncio.run(_adaptive(verifier.address, params, rtt_ms))
+    assert outputs == [_reference(p, params) for p in PROMPTS]
+    assert tuner.moves >= 1 and len(set(gammas)) > 1  # γ changed while generating
+    # Every draft call teaches the tuner its cost except each stream's first, which also feeds the drafter
+    # its prompt (a prefill that would make long drafts look free).
+    assert sum(tuner.draft.counts.values()) == len(gammas) - len(PROMPTS)
+
+
+def test_cli_generate_is_adaptive_by_default_and_exact(verifier):
+    common = ("--prompt-ids", "15,27,300,1024", "--max-new-tokens", "40", "--ignore-eos", "--json")
+    common += ("--temperature", "0.8", "--seed", "5")
+    argv = [EDGE, "generate", "--server", verifier.address, "--draft", str(DEMO / "draft-q8_0.gguf"), *common]
+    edge = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True).stdout)
+    alone = _reference((15, 27, 300, 1024), SamplingParams(temperature=0.8, seed=5), 40)
+    assert edge["token_ids"] == alone and len(alone) == 40

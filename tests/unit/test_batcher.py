@@ -1,0 +1,120 @@
+"""The batcher in process, over a fake engine: what runs together, what waits, and in which order."""
+
+import asyncio
+import time
+
+from tools.testkit.fakes import FakeEngine
+from verifier_service.batcher import BatchConfig, Batcher
+from verifier_service.engine import Forward
+
+
+def run(config: BatchConfig, scenario):
+    """Runs `scenario(batcher)` on a fresh batcher over a fake engine; returns (its result, engine)."""
+    engine = FakeEngine()
+
+    async def main():
+        batcher = Batcher(engine, config)
+        try:
+            return await scenario(batcher)
+        finally:
+            batcher.close()
+
+    return asyncio.run(main()), engine
+
+
+def test_forwards_queued_while_the_engine_is_busy_run_as_one_ragged_batch():
+    async def scenario(batcher):
+        for key in "abc":
+            batcher.join(key)
+        prefills = [Forward(k, 0, (1, 2, 3), wants_logits=False) for k in "abc"]
+        await asyncio.gather(*(batcher.forward(f) for f in prefills))
+        rounds = [Forward("a", 3, (4,)), Forward("b", 3, (4, 5, 6)), Forward("c", 3, (4, 5))]
+        return await asyncio.gather(*(batcher.forward(f) for f in rounds))
+
+    logits, engine = run(BatchConfig(window_s=0.05), scenario)
+    assert [[f.key for f in b] for b in engine.batches] == [["a", "b", "c"], ["a", "b", "c"]]
+    assert [tuple(x.shape) for x in logits] == [(1, 64), (3, 64), (2, 64)]  # each its own rows
+
+
+def test_the_window_waits_for_open_sessions_and_a_lone_session_does_not_wait():
+    async def scenario(batcher):
+        batcher.engine.slow_s = 0.2  # the window is at most half the last batch's time: 0.1 s here
+        batcher.join("a")
+        start = time.perf_counter()
+        await batcher.forward(Forward("a", 0, (1, 2), wants_logits=False))
+        lone = time.perf_counter() - start - 0.2
+        batcher.join("b")
+        # b's forward arrives 20 ms after a's, inside the window: one batch.
+        first = asyncio.ensure_future(batcher.forward(Forward("a", 2, (3,))))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(first, batcher.forward(Forward("b", 0, (1,))))
+        return lone
+
+    lone, engine = run(BatchConfig(window_s=1.0), scenario)
+    assert lone < 0.05
+    assert [f.key for f in engine.batches[-1]] == ["a", "b"]
+
+
+def test_one_forward_per_session_per_batch_in_arrival_order():
+    async def scenario(batcher):
+        batcher.join("a")
+        await batcher.forward(Forward("a", 0, (1,), wants_logits=False))
+        # Two forwards of one session queued together run in two batches, in order.
+        await asyncio.gather(batcher.forward(Forward("a", 1, (2,))), batcher.forward(Forward("a", 2, (3,))))
+
+    _, engine = run(BatchConfig(window_s=0), scenario)
+    assert [[(f.key, f.keep) for f in b] for b in engine.batches] == [[("a", 0)], [("a", 1)], [("a", 2)]]
+
+
+def test_a_release_runs_after_the_forwards_queued_before_it():
+    async def scenario(batcher):
+        batcher.join("a")
+        pending = asyncio.ensure_future(batcher.forward(Forward("a", 0, (1, 2), wants_logits=False)))
+        batcher.release("a")
+        await pending
+        await batcher.forward(Forward("z", 0, (1,), wants_logits=False))  # everything before has run
+        return dict(batcher.engine.held)
+
+    held, engine = run(BatchConfig(window_s=0), scenario)
+    assert engine.released == ["a"] and "a" not in held
+
+
+def test_an_engine_failure_reaches_its_forward_and_the_batcher_goes_on():
+    async def scenario(batcher):
+        for key in "ab":
+            batcher.join(key)
+        results = await asyncio.gather(
+            batcher.forward(Forward("a", 5, (1,))),  # keeps more than it holds: the engine raises
+            return_exceptions=True,
+        )
+        after = await batcher.forward(Forward("b", 0, (1,)))
+        return results, after
+
+    (results, after), _ = run(BatchConfig(window_s=0), scenario)
+    assert isinstance(results[0], ValueError) and tuple(after.shape) == (1, 64)
+
+
+class PositionCostEngine(FakeEngine):
+    """A fake engine whose forward takes `per_position_s` for each position it computes."""
+
+    per_position_s = 0.001
+
+    def forward_many(self, forwards):
+        time.sleep(self.per_position_s * sum(len(f.token_ids) for f in forwards))
+        return super().forward_many(forwards)
+
+
+def test_a_long_prefill_runs_in_chunks_and_a_round_queued_behind_it_joins_the_first():
+    async def scenario(batcher):
+        for key in "ab":
+            batcher.join(key)
+        await batcher.forward(Forward("a", 0, (1, 2, 3), wants_logits=False))
+        long = batcher.forward(Forward("b", 0, tuple(range(1, 251)), wants_logits=False))
+        return await asyncio.gather(long, batcher.forward(Forward("a", 3, (4,))))
+
+    (prefill, round_logits), engine = run(BatchConfig(window_s=0, max_prefill_positions=100), scenario)
+    assert prefill is None and round_logits is not None
+    chunks = [f for b in engine.batches for f in b if f.key == "b"]
+    assert [(f.keep, len(f.token_ids)) for f in chunks] == [(0, 100), (100, 100), (200, 50)]
+    assert engine.held["b"] == 250  # the chunks add up to the whole prefill, in order
+    assert sorted(f.key for f in engine.batches[1]) == ["a", "b"]  # the round did not wait for the rest

@@ -1,0 +1,111 @@
+"""Who can read a verifier's metrics: loopback unless an address is named, every interface only when
+spelled out (never by an empty --metrics-host), and a bearer token checked on every scrape when one is
+given (in-process verifiers over the fake engine; `serve` for its refusals). Every metric name is in the
+table of docs/metrics.md."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from draftwire import metrics
+from draftwire.v1 import draftwire_pb2 as pb
+from tools.testkit.fakes import FakeEngine
+from tools.testkit.serverproc import listening
+from verifier_service.servicer import ServerConfig, start_metrics, start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def scrape(port: int, token: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_bind_loopback_by_default_and_everywhere_only_when_spelled_out():
+    async def run():
+        server, _ = await start_server(FakeEngine(), ServerConfig("127.0.0.1", 0, metrics_port=0))
+        try:
+            assert listening(server.metrics_port) == {"0100007F"}  # 127.0.0.1
+            status, text = scrape(server.metrics_port)
+            assert status == 200 and "draftwire:sessions_total" in text
+        finally:
+            await server.stop(None)
+        with pytest.raises(ValueError, match="0.0.0.0"):  # "" would mean every interface: refused
+            await start_server(FakeEngine(), ServerConfig("127.0.0.1", 0, metrics_port=0, metrics_host=""))
+
+    asyncio.run(run())
+    port = start_metrics(lambda: pb.ServerStats(), "0.0.0.0", 0)
+    assert listening(port) == {"00000000"}  # said explicitly: every interface
+
+
+def test_a_metrics_token_is_checked_on_every_scrape(tmp_path):
+    token = tmp_path / "metrics.token"
+    token.write_text("first-token\n")
+    token.chmod(0o600)
+
+    async def run():
+        config = ServerConfig("127.0.0.1", 0, metrics_port=0, metrics_token_file=token)
+        server, _ = await start_server(FakeEngine(), config)
+        try:
+            port = server.metrics_port
+            for sent in (None, "wrong-token", "first-token-and-more", ""):
+                status, text = await asyncio.to_thread(scrape, port, sent)
+                assert status == 401 and "draftwire:" not in text
+            status, text = await asyncio.to_thread(scrape, port, "first-token")
+            assert status == 200 and "draftwire:sessions_total" in text
+            token.write_text("second-token\n")  # rotated without a restart
+            assert (await asyncio.to_thread(scrape, port, "first-token"))[0] == 401
+            assert (await asyncio.to_thread(scrape, port, "second-token"))[0] == 200
+            token.unlink()  # no token to check against: closed, not open
+            assert (await asyncio.to_thread(scrape, port, "second-token"))[0] == 503
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    with pytest.raises(OSError):  # a token file that cannot be read is said at start
+        start_metrics(lambda: pb.ServerStats(), "127.0.0.1", 0, tmp_path / "missing")
+
+
+def test_serve_refuses_an_empty_metrics_host_and_an_unreadable_token_file(tmp_path):
+    target = tmp_path / "target"  # holds no model: the refusals come before loading one
+    target.mkdir()
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    serve = [sys.executable, "-m", "draftwire_cli", "serve", "--target", str(target), "--port", "0"]
+    cases = [
+        (["--metrics-port", "0", "--metrics-host", ""], "0.0.0.0"),
+        (["--metrics-port", "0", "--metrics-token-file", str(tmp_path / "missing")], "--metrics-token-file"),
+        (["--metrics-port", "0", "--metrics-token-file", str(empty)], "one token"),
+    ]
+    for argv, said in cases:
+        done = subprocess.run([*serve, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("draftwire: ") and said in last, done.stderr
+
+
+def test_every_metric_is_in_the_table_of_docs_metrics():
+    """The names a verifier exports (with a token file, so that every family shows) are the names
+    docs/metrics.md's table lists, no more and no fewer."""
+    families = [
+        *metrics.families(pb.ServerStats(refusals={"OK": 1}, accepted_per_position=[1])),
+        *metrics.auth_families(True, 0, 0),
+    ]
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    listed = set(re.findall(r"^\| `(draftwire:[a-z_]+)`", doc, re.M))
+    assert exported == listed, (exported - listed, listed - exported)
