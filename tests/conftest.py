@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from tools.models.kit import TestPair, build_test_pair  # noqa: E402
-from tools.testkit.serverproc import ServerProcess  # noqa: E402
+from tools.rig.serverproc import ServerProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")

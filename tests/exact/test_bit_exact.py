@@ -25,7 +25,7 @@ from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import EXACT_DTYPE
 from tools.bench.prompts import chat_prompts
 from tools.models import smollm2
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
 from verifier_service import invariant
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode

@@ -12,7 +12,7 @@ from tools.models.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agr
 from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
 from tools.models.demopair.files import DEFAULT_OUT, PairFiles
 from tools.models.find import DEMO_DRAFT
-from tools.testkit.serverproc import DRAFTWIRE
+from tools.rig.serverproc import DRAFTWIRE
 
 FILES = PairFiles(DEFAULT_OUT)
 
@@ -116,8 +116,8 @@ def test_greedy_speculation_with_the_demo_pair_equals_transformers(tokenizer):
 
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from edge_client.session import EdgeSession, GenerationRequest
+    from tools.rig.serverproc import ServerProcess
     from tools.testkit.oracle import transformers_greedy
-    from tools.testkit.serverproc import ServerProcess
 
     prompts = [w[:40] for w in heldout_windows(tokenizer, 4)]
     expected = transformers_greedy(FILES.target, prompts, 32)

@@ -24,8 +24,8 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.models.kit import stdlib_texts
+from tools.rig.serverproc import DRAFTWIRE
 from tools.testkit.oracle import transformers_greedy
-from tools.testkit.serverproc import DRAFTWIRE
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 

@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM
 from draftwire.contract import Drafting, SamplingParams, SessionSpec
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
+from tools.rig.serverproc import DRAFTWIRE
 from tools.testkit.fakes import ScriptedDrafter
-from tools.testkit.serverproc import DRAFTWIRE
 from verifier_service import families
 from verifier_service.engine import NoExactPath, TargetEngine, UnsupportedModel
 from verifier_service.servicer import ServerConfig, VerifierLimits, start_server

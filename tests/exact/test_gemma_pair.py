@@ -25,8 +25,8 @@ from tests.capability import fetched
 from tools.models import chunks
 from tools.models.kit import stdlib_texts
 from tools.models.pairs import GEMMA
+from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import transformers_greedy
-from tools.testkit.serverproc import ServerProcess
 
 NEW = 16
 TEXTS = (

@@ -20,8 +20,8 @@ from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import fetched
 from tools.models import chunks
 from tools.models.pairs import QWEN
+from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import transformers_greedy
-from tools.testkit.serverproc import ServerProcess
 
 NEW = 12
 QUESTIONS = ("Write a Python function that returns the square of a number.", "What is 7 times 8?")
@@ -104,7 +104,7 @@ def test_seeded_through_serve_equals_the_target_alone(pair, prompts, server):
 
 def test_greedy_through_the_pool_equals_transformers_generate(pair, prompts, greedy_expected, server):
     from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
-    from tools.testkit.localray import local_ray, running_pool
+    from tools.rig.localray import local_ray, running_pool
     from verifier_service.servicer import ServerConfig
 
     server.stop()  # one 1.5B copy at a time: the pool's replica is the next

@@ -17,8 +17,8 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.prompts import chat_turns
 from tools.models import smollm2
+from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import transformers_greedy
-from tools.testkit.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 

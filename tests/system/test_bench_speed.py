@@ -4,7 +4,7 @@ import json
 import subprocess
 
 from tools.bench.speed import expected_tokens_per_round
-from tools.testkit.serverproc import DRAFTWIRE
+from tools.rig.serverproc import DRAFTWIRE
 
 
 def test_expected_tokens_per_round():

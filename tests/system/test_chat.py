@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from edge_client.chat import ChatConfig, chat, chat_prompt, render_chat, reply
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession
-from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
+from tools.rig.serverproc import DRAFTWIRE, ServerProcess
 
 TEMPLATE = (
     "{% for m in messages %}{{ bos_token }}{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"

@@ -27,8 +27,8 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from tools.rig.localray import local_ray
 from tools.testkit.fakes import Paced
-from tools.testkit.localray import local_ray
 from verifier_service.admission import AdmissionConfig
 from verifier_service.auth import Identity
 from verifier_service.engine import TargetEngine, model_name

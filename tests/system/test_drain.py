@@ -14,8 +14,8 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from tools.rig.serverproc import ServerProcess
 from tools.testkit.fakes import Paced
-from tools.testkit.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from tools.testkit.serverproc import DRAFTWIRE, ChildProcess, EdgeProcess, ServerProcess
+from tools.rig.serverproc import DRAFTWIRE, ChildProcess, EdgeProcess, ServerProcess
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 

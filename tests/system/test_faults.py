@@ -18,9 +18,9 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, Timeouts
+from tools.rig.netdelay import DelayConfig, DelayProxy
+from tools.rig.serverproc import ServerProcess
 from tools.testkit.fakes import Paced
-from tools.testkit.netdelay import DelayConfig, DelayProxy
-from tools.testkit.serverproc import ServerProcess
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 PROMPT = (5, 60, 70, 80)

@@ -1,13 +1,14 @@
-"""The fuzz campaign (tools/fuzz.py), short and seeded: on a real `serve`, no crash, no hang, no INTERNAL,
-health SERVING and a bystander session reproducing its output throughout; and the two fixes it led to."""
+"""The fuzz campaign (tools/stress/fuzz.py), short and seeded: on a real `serve`, no crash, no hang, no
+INTERNAL, health SERVING and a bystander session reproducing its output throughout; and the two fixes it
+led to."""
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
 from draftwire.v1 import draftwire_pb2 as pb
-from tools.fuzz import FuzzConfig, raw_call, run_campaign, start_secured
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
+from tools.stress.fuzz import FuzzConfig, raw_call, run_campaign, start_secured
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CORRUPT = b"\xff\xff"  # a varint that never ends: no protobuf message parses from it

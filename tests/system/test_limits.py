@@ -9,7 +9,7 @@ import pytest
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -10,7 +10,7 @@ import pytest
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from tools.loadtest import report_text
-from tools.testkit.serverproc import DRAFTWIRE, ServerProcess
+from tools.rig.serverproc import DRAFTWIRE, ServerProcess
 
 pytest.importorskip("ray")
 

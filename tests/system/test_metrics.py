@@ -16,7 +16,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.testkit.serverproc import DRAFTWIRE, ServerProcess, listening
+from tools.rig.serverproc import DRAFTWIRE, ServerProcess, listening
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 GAMMA, NEW = 4, 40

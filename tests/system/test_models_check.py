@@ -7,7 +7,7 @@ import pytest
 
 from tests.exact.test_vocab import VOCABS
 from tools.models.check import check_pair
-from tools.testkit.serverproc import DRAFTWIRE
+from tools.rig.serverproc import DRAFTWIRE
 
 
 def test_a_pair_is_accepted_and_its_own_export_agrees_more_than_another_model(test_pair):

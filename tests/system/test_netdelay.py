@@ -12,8 +12,8 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
-from tools.testkit.certs import make_certs
-from tools.testkit.netdelay import DelayConfig, DelayProxy
+from tools.rig.certs import make_certs
+from tools.rig.netdelay import DelayConfig, DelayProxy
 from verifier_service.auth import TlsConfig
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig, start_server

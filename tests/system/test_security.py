@@ -21,8 +21,8 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
-from tools.testkit.certs import make_certs
-from tools.testkit.serverproc import DRAFTWIRE, EdgeProcess, ServerProcess
+from tools.rig.certs import make_certs
+from tools.rig.serverproc import DRAFTWIRE, EdgeProcess, ServerProcess
 from verifier_service.auth import AuthConfig, BadTokenFile, TlsConfig, parse_tokens, read_clients
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
@@ -286,7 +286,7 @@ def test_the_pool_with_tls_and_tokens_and_its_replicas_closed_to_strangers(certs
     token revoked at the front ends its open session there, with UNAUTHENTICATED, within seconds."""
     pytest.importorskip("ray")
     from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig
-    from tools.testkit.localray import local_ray, running_pool
+    from tools.rig.localray import local_ray, running_pool
     from verifier_service.servicer import ServerConfig
 
     tokens_file = tmp_path / "tokens"

@@ -1,10 +1,10 @@
-"""The soak's CI version (issue 15 item 7): `python -m tools.soak` for 20 seconds, 64 sessions of replayed
-drafts with TLS and tokens on, against one `serve` and against the pool. The five-minute figures are in
-docs/soak.md."""
+"""The soak's CI version (issue 15 item 7): `python -m tools.stress.soak` for 20 seconds, 64 sessions of
+replayed drafts with TLS and tokens on, against one `serve` and against the pool. The five-minute figures
+are in docs/soak.md."""
 
 import pytest
 
-from tools.soak import SoakConfig, passed, soak, summary_text
+from tools.stress.soak import SoakConfig, passed, soak, summary_text
 
 # What the verifier's RSS may gain after the warm-up, beyond its KV caches' growth. In 20 s the allocator
 # is still settling (for about a minute, docs/soak.md): between 8 s and 22 s six runs of this build and

@@ -17,8 +17,8 @@ import pytest
 
 from draftwire import metrics
 from draftwire.v1 import draftwire_pb2 as pb
+from tools.rig.serverproc import listening
 from tools.testkit.fakes import FakeEngine
-from tools.testkit.serverproc import listening
 from verifier_service.servicer import ServerConfig, start_metrics, start_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
 """Revocation that takes effect, on in-process verifiers over TLS on loopback (the fake engine): a revoked
 token's or certificate name's open stream ends with UNAUTHENTICATED within seconds; a token file that
 breaks or goes missing fails closed (UNAVAILABLE, health NOT_SERVING, a metric) and admission resumes once
-it is fixed; a certificate is admitted only when its name is listed. Kept caches serve their own client
-only, and an anonymous caller only those of its own connection (the demo target)."""
+it is fixed; a certificate is admitted only when its name is listed. That kept caches serve their own
+client only, on the demo target: tests/system/test_kept_caches.py."""
 
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ from draftwire import wire
 from draftwire.contract import Proposal, SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.testkit.certs import make_certs
+from tools.rig.certs import make_certs
 from tools.testkit.fakes import FakeEngine, successor
 from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.lifecycle import LifetimeConfig
 from verifier_service.servicer import ServerConfig, start_server
 
-DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 RECHECK_S = 0.2  # the servers here recheck credentials this often (default 1 s)
 TOKENS = "alice alice-token\nbob bob-token\nops ops-token admin\ncarol -\n"
 SPEC = SessionSpec((5, 17, 42), SamplingParams(), 200, ignore_eos=True)
@@ -220,58 +219,6 @@ def test_a_certificate_is_admitted_only_while_its_name_is_listed(certs, tmp_path
                 assert seconds < 3 * RECHECK_S + 1.0
             code, _ = await refused(address, creds(certs, client="carol"))
             assert code == grpc.StatusCode.UNAUTHENTICATED
-        finally:
-            await server.stop(None)
-
-    asyncio.run(run())
-
-
-@pytest.fixture(scope="module")
-def demo_engine():
-    from verifier_service.engine import TargetEngine
-
-    return TargetEngine.load(DEMO / "target")
-
-
-def test_kept_caches_serve_their_own_client_and_anonymous_callers_none(demo_engine, certs, tmp_path):
-    """Without credentials callers cannot be told apart: an anonymous caller reuses only the caches of
-    its own connection, so `reused_positions` says nothing of what others sent. With tokens, only the
-    owner reuses, on any connection."""
-    prompt = (300, 301, 302, 61, 62, 63, 64, 65)
-    spec = SessionSpec(prompt, SamplingParams(), 4, ignore_eos=True)
-
-    async def turns(address: str, credentials, n: int = 1) -> list[int]:
-        """The reused positions of `n` opens of the prompt, one after another on one connection."""
-        reused = []
-        async with connection(address, credentials) as channel:
-            for _ in range(n):
-                stream = Stream(channel, spec)
-                reused.append((await stream.open()).reused_positions)
-                stream.call.cancel()
-                await asyncio.sleep(0.2)  # the cache is released (and kept, where it may be)
-        return reused
-
-    async def turn(address: str, credentials) -> int:
-        return (await turns(address, credentials))[0]
-
-    async def run():
-        server, port = await start_server(demo_engine, ServerConfig("127.0.0.1", 0))
-        address = f"127.0.0.1:{port}"
-        try:
-            assert [await turn(address, wire.PLAINTEXT) for _ in range(3)] == [0, 0, 0]
-            # On one connection, a conversation's next turn still finds its last turn's cache.
-            first, second = await turns(address, wire.PLAINTEXT, 2)
-            assert first == 0 and second == len(prompt) - 1
-        finally:
-            await server.stop(None)
-        tokens = tmp_path / "tokens"
-        tokens.write_text(TOKENS)
-        server, port = await start_server(demo_engine, config(certs, tokens))
-        address = f"127.0.0.1:{port}"
-        try:
-            assert await turn(address, creds(certs, "alice-token")) == 0
-            assert await turn(address, creds(certs, "bob-token")) == 0  # alice's cache is not bob's
-            assert await turn(address, creds(certs, "alice-token")) > 0
         finally:
             await server.stop(None)
 

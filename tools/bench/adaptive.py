@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.arms import BenchConfig, Row, params_for, route
 from tools.bench.speed import RowRun
-from tools.testkit.serverproc import ServerProcess
+from tools.rig import devices
 
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
 
@@ -37,15 +36,13 @@ async def run_all(config: BenchConfig, log=print) -> dict:
     from tools.bench import target_arms
 
     reference = {r.mode: r for r in target_arms.in_child(config, log) if r.arm == "a"}
-    if config.edge_cpus:
-        os.sched_setaffinity(0, config.edge_cpus)  # before llama.cpp starts its threads, which inherit it
-    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
-    threads = len(config.verifier_cpus) or config.verifier_threads
-    flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(threads), "--dtype", config.dtype]
+    flags = ["--max-gamma", str(max(config.gammas)), "--dtype", config.dtype]
     flags += [] if config.invariant else ["--no-bit-exact"]
+    server = devices.verifier(config.target_dir, *flags, **config.devices)
+    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
     rows: list[Row] = []
     settings = [(None, None)] + [(g, d) for g in config.gammas for d in config.pipelines]
-    with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
+    with server:
         host, port = server.address.rsplit(":", 1)
         for rtt in config.rtts_ms:
             async with route(host, int(port), rtt) as address:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftwire.contract import SamplingParams
-from tools.testkit.netdelay import DelayConfig, DelayProxy
+from tools.rig.netdelay import DelayConfig, DelayProxy
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class BenchConfig:
     dtype: str = "auto"  # the target's, in every arm (TargetEngine.load)
     invariant: bool = True  # bit-exact kernels in arms (a) and (c), (d) (TargetEngine.load)
     seed: int = 1234
+
+    @property
+    def devices(self) -> dict:
+        """The two-device rig's arguments (tools.rig.devices.verifier)."""
+        return {
+            "edge_cpus": self.edge_cpus,
+            "verifier_cpus": self.verifier_cpus,
+            "threads": self.verifier_threads,
+        }
 
     @classmethod
     def from_args(cls, args, **fields) -> BenchConfig:

@@ -44,7 +44,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.prompts import PROMPT_SETS, prompt_set
 from tools.figures import percentile
-from tools.testkit.serverproc import ServerProcess
+from tools.rig import devices
 
 
 @dataclass(frozen=True)
@@ -243,22 +243,20 @@ def _median_wave(waves: list[dict]) -> dict:
 
 
 async def run_all(config: CapacityConfig, log=print) -> dict:
-    import os
 
     from edge_client.drafter import DrafterConfig, LlamaDrafter
 
     unknown = set(config.arms) - set(ARMS)
     if unknown or not config.arms:
         raise ValueError(f"arms {config.arms!r}: letters of {''.join(ARMS)}")
-    if config.edge_cpus:
-        os.sched_setaffinity(0, config.edge_cpus)  # before llama.cpp starts its threads, which inherit it
-    flags = ["--threads", str(len(config.verifier_cpus) or 1), "--dtype", config.dtype]
+    flags = ["--dtype", config.dtype]
     flags += ["--max-batch", str(config.max_batch), "--batch-window-ms", str(config.window_ms)]
     flags += ["--max-gamma", str(config.gamma + 1), "--prefix-cache-mb", "0"]
     flags += [] if config.invariant else ["--no-bit-exact"]
     flags += [] if config.gamma_cap else ["--no-gamma-cap"]
     rows: list[dict] = []
-    with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
+    rig = {"edge_cpus": config.edge_cpus, "verifier_cpus": config.verifier_cpus}
+    with devices.verifier(config.target_dir, *flags, **rig) as server:
         # The reference: the target alone, every prompt once (also the replica's warm-up; not counted).
         log(f"reference: {len(config.prompts)} prompts, the target alone")
         reference = await run_wave(server.address, config, "a", len(config.prompts))

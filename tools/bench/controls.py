@@ -33,7 +33,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.prompts import chat_prompts
 from tools.models import smollm2
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
 
 PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)
 TINY = dict(frequency_penalty=1e-6, presence_penalty=1e-6, repetition_penalty=1.000001)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tools.testkit.serverproc import EdgeProcess, ServerProcess
+from tools.rig.serverproc import EdgeProcess, ServerProcess
 
 DEMO = Path("models/demo")
 

@@ -24,7 +24,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.loadtest import LoadConfig, record
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
 
 SERVICE = "draftwire.v1.Verifier"
 

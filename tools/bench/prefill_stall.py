@@ -31,7 +31,7 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
 from verifier_service.grpc_kit import SERVICE
 
 SMOLLM2 = Path.home() / ".local/share/draftwire/models/smollm2/target"

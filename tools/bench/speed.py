@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -28,7 +27,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.bench.arms import BenchConfig, Row, params_for, route
 from tools.figures import percentile
-from tools.testkit.serverproc import ServerProcess
+from tools.rig import devices
 
 
 def expected_tokens_per_round(acceptance: float, gamma: int) -> float:
@@ -146,13 +145,11 @@ async def run_all(config: BenchConfig, log=print) -> dict:
     rows: list[Row] = target_arms.in_child(config, log)
     reference = {r.mode: r for r in rows if r.arm == "a"}
     modes = tuple(reference)
-    if config.edge_cpus:
-        os.sched_setaffinity(0, config.edge_cpus)  # before llama.cpp starts its threads, which inherit it
-    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
-    threads = len(config.verifier_cpus) or config.verifier_threads
-    flags = ["--max-gamma", str(max(config.gammas)), "--threads", str(threads), "--dtype", config.dtype]
+    flags = ["--max-gamma", str(max(config.gammas)), "--dtype", config.dtype]
     flags += [] if config.invariant else ["--no-bit-exact"]
-    with ServerProcess(config.target_dir, *flags, cpus=config.verifier_cpus) as server:
+    server = devices.verifier(config.target_dir, *flags, **config.devices)
+    drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
+    with server:
         host, port = server.address.rsplit(":", 1)
         for mode in modes:
             for gamma in config.gammas:

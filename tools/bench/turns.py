@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tools.models.find import find_pair
 from tools.models.smollm2 import CARD_PROMPTS
-from tools.testkit.serverproc import EdgeProcess, ServerProcess
+from tools.rig.serverproc import EdgeProcess, ServerProcess
 
 TURNS = 5
 

@@ -155,8 +155,8 @@ ARMS = (
 
 async def run_all(target: Path, draft: Path, prompts, new_tokens: int, gamma: int, max_gamma: int, log=print):
     from edge_client.drafter import DrafterConfig, LlamaDrafter
-    from tools.testkit.netdelay import DelayConfig, DelayProxy
-    from tools.testkit.serverproc import ServerProcess
+    from tools.rig.netdelay import DelayConfig, DelayProxy
+    from tools.rig.serverproc import ServerProcess
 
     n_ctx = max(map(len, prompts)) + new_tokens + 2 * gamma + 16
     rows = []

@@ -1,1 +1,3 @@
-"""Kits for tests and benchmarks: a verifier in a child process, a delaying proxy, fakes."""
+"""The test kit: fakes (an engine, a verifier, a drafter), the verifier in process, the independent
+oracles, the planner on a virtual clock. For tests only: not in the wheel (the rig the benchmarks also
+stand on is tools/rig)."""

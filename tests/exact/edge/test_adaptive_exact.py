@@ -17,8 +17,8 @@ from draftwire.contract import SamplingParams
 from edge_client.adaptive import Tuner, TunerConfig
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.testkit.netdelay import DelayConfig, DelayProxy
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.netdelay import DelayConfig, DelayProxy
+from tools.rig.serverproc import ServerProcess
 
 DEMO = Path(__file__).resolve().parents[3] / "models" / "demo"
 EDGE = str(Path(sys.executable).parent / "draftwire")

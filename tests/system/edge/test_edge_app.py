@@ -21,7 +21,7 @@ from openai import OpenAI
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.llama_runtime import Llama
-from tools.testkit.serverproc import EdgeProcess, ServerProcess
+from tools.rig.serverproc import EdgeProcess, ServerProcess
 
 DEMO = Path(__file__).resolve().parents[3] / "models" / "demo"
 DRAFT = DEMO / "draft-q8_0.gguf"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.testkit.serverproc import ServerProcess
+from tools.rig.serverproc import ServerProcess
 
 DEMO = Path(__file__).resolve().parents[3] / "models" / "demo"
 EDGE = str(Path(sys.executable).parent / "draftwire")

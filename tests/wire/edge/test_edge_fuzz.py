@@ -1,5 +1,5 @@
-"""The edge app's HTTP API fuzzed, as tools/fuzz.py fuzzes the verifier's gRPC one: valid requests of every
-route mutated at random (fields dropped, retyped, pushed to extremes, nested, bodies cut or replaced by
+"""The edge app's HTTP API fuzzed, as tools/stress/fuzz.py fuzzes the verifier's gRPC one: valid requests of
+every route mutated at random (fields dropped, retyped, pushed to extremes, nested, bodies cut or replaced by
 bytes, other methods, paths and content types). Every answer must be a status the API documents, never a
 500, within seconds, and every error an OpenAI-shaped JSON body; afterwards the app still answers
 /health and serves a conversation. In process against a verifier whose sessions end at the open (the

@@ -1,7 +1,8 @@
-"""`python -m tools.soak`: the soak (issue 15 item 7). `draftwire loadtest` holds 64 concurrent sessions
-(replayed drafts, every generation checked against its recording) for minutes against `draftwire serve`
-and against the pool (`serve --ray`), both with TLS and per-client tokens on, while this process samples
-the server's resident memory every few seconds from /proc (and its KV cache memory from GetStats).
+"""`python -m tools.stress.soak`: the soak (issue 15 item 7). `draftwire loadtest` holds 64 concurrent
+sessions (replayed drafts, every generation checked against its recording) for minutes against
+`draftwire serve` and against the pool (`serve --ray`), both with TLS and per-client tokens on, while
+this process samples the server's resident memory every few seconds from /proc (and its KV cache memory
+from GetStats).
 
 What a run shows: errors and mismatches (both must be 0), round latency p50 and p99, and the RSS at the
 end of the warm-up and at the end of the load (it must be flat between them). Against the pool, RSS is
@@ -29,8 +30,8 @@ from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from tools.loadtest import report_text
-from tools.testkit.certs import make_certs
-from tools.testkit.serverproc import DRAFTWIRE, ServerProcess, blocking_channel
+from tools.rig.certs import make_certs
+from tools.rig.serverproc import DRAFTWIRE, ServerProcess, blocking_channel
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 POOL_FLAGS = ("--ray", "--replicas", "2", "--replica-cpus", "0.5", "--replica-host", "127.0.0.1")
@@ -289,7 +290,7 @@ def passed(r: dict, rss_slack_mib: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.stress.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", choices=("serve", "pool", "both"), default="both")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--sessions", type=int, default=64)

@@ -1,7 +1,7 @@
 """Time to revoke: how long a revoked token's open sessions keep running on a verifier, and how soon a
 broken token file refuses new sessions, with the default recheck interval.
 
-    python -m tools.bench.revoke [--sessions 20] [--repeats 10] [--recheck-s 1]
+    python -m tools.stress.revoke [--sessions 20] [--repeats 10] [--recheck-s 1]
 
 An in-process verifier (TLS, a token file; the fake engine: revocation does not depend on the model)
 holds `--sessions` open sessions of one client. The file is then rewritten without that client (a new
@@ -28,7 +28,7 @@ from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.testkit.certs import make_certs
+from tools.rig.certs import make_certs
 from tools.testkit.fakes import FakeEngine
 from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.lifecycle import LifetimeConfig
