@@ -45,6 +45,7 @@ class NgramRule:
 
 
 RULE = NgramRule()
+NGRAM_GAMMA = 5  # prompt-lookup draft tokens per round of a thin session
 # Until this rule: any 1-gram drafted, up to 3 matched, gamma tokens whatever the match.
 ANY_1GRAM = NgramRule(min_ngram=1, max_ngram=3, lag=None)
 

@@ -35,11 +35,11 @@ def models(args) -> int:
         chunks.fetch(PAIRS[args.name], args.out, force=args.force)
         return 0
     if args.models_command == "fetch":
-        from tools.models import smollm2
+        from tools.models import smollm2, smollm2_card
 
         directory = smollm2.fetch(args.out or smollm2.default_dir(), force=args.force)
         if args.card:
-            smollm2.write_card(directory)
+            smollm2_card.write_card(directory)
         return 0
     from tools.models.demopair.build import STAGES, build
     from tools.models.demopair.files import DEFAULT_OUT

@@ -29,7 +29,7 @@ from draftwire.contract import (
     is_stale,
     stop_set,
 )
-from draftwire.ngram import ngram_draft
+from draftwire.ngram import NGRAM_GAMMA, ngram_draft
 from draftwire.rules import adjusted_logits, choose_tokens, commit_round, token_logprobs
 from verifier_service.batcher import Batcher, Engine
 from verifier_service.engine import Forward
@@ -92,7 +92,6 @@ class VerifierStats:
 
 
 _keys = itertools.count(1)
-NGRAM_GAMMA = 5  # prompt-lookup draft tokens per round of a thin session
 
 
 class VerifierSession:

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from draftwire.vocab import vocabulary_from_hf, vocabulary_from_llama
 from edge_client.llama_runtime import Llama
-from tools.models import smollm2
+from tools.models import smollm2, smollm2_card
 
 try:
     importlib.metadata.distribution(smollm2.PACKAGE)
@@ -139,7 +139,7 @@ def test_the_default_dir_follows_xdg(monkeypatch, tmp_path):
 
 def test_the_card_renders_every_draft():
     modes = {"greedy": {"acceptance_rate": 0.9, "tokens_per_round": 4.2}}
-    modes[f"t{smollm2.CARD_TEMPERATURE}"] = {"acceptance_rate": 0.8, "tokens_per_round": 3.1}
+    modes[f"t{smollm2_card.CARD_TEMPERATURE}"] = {"acceptance_rate": 0.8, "tokens_per_round": 3.1}
     draft = {"bytes": 1e8, "agreement": 0.95, "ms_per_token": 12.0, "cost_ratio": 0.2, "acceptance": modes}
     card = {
         "model": smollm2.MODEL_NAME,
@@ -164,6 +164,6 @@ def test_the_card_renders_every_draft():
         },
         "seconds": 300,
     }
-    text = smollm2.render_card(card)
+    text = smollm2_card.render_card(card)
     for kind in smollm2.DRAFT_KINDS:
         assert f"`draft-{kind}.gguf` | 100.0 MB | 0.950 | 12.0 | 0.200 | 0.900 | 0.800 | 4.20 |" in text

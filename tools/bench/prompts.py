@@ -31,7 +31,7 @@ def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[in
 def chat_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
     """`count` held-out chat turns (the SmolLM2 card's questions) rendered with the target's chat
     template, generation prompt included. Raises ValueError when there are fewer than that."""
-    from tools.models.smollm2 import CARD_PROMPTS
+    from tools.models.smollm2_card import CARD_PROMPTS
 
     if count > len(CARD_PROMPTS):
         raise ValueError(f"{len(CARD_PROMPTS)} held-out chat prompts, not {count}")
@@ -111,7 +111,7 @@ def code_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
 def prompt_set(name: str, target_dir: Path, count: int | None = None) -> tuple[tuple[int, ...], ...]:
     """The held-out chat turns ('chat', 24) or code turns ('code', 16) for a chat target: the first
     `count`, all of them when None."""
-    from tools.models.smollm2 import CARD_PROMPTS
+    from tools.models.smollm2_card import CARD_PROMPTS
 
     texts = {"chat": CARD_PROMPTS, "code": CODE_PROMPTS}
     if name not in texts:

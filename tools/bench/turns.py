@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from tools.models.find import find_pair
-from tools.models.smollm2 import CARD_PROMPTS
+from tools.models.smollm2_card import CARD_PROMPTS
 from tools.rig.serverproc import EdgeProcess, ServerProcess
 
 TURNS = 5
