@@ -184,26 +184,3 @@ def fetch(out: Path | None = None, force: bool = False, log=print) -> Path:
     _write_manifest(directory, record)
     log(f"draftwire: {MODEL_NAME} ready in {directory} ({time.monotonic() - started:.0f} s)")
     return directory
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m tools.models.smollm2 [fetch|card] [--out DIR] [--force]`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m tools.models.smollm2")
-    parser.add_argument("step", choices=("fetch", "card"))
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--force", action="store_true")
-    parser.add_argument("--acceptance-prompts", type=int, default=6)
-    args = parser.parse_args(argv)
-    directory = args.out or default_dir()
-    if args.step == "fetch":
-        fetch(directory, force=args.force)
-    else:
-        from tools.models.smollm2_card import write_card
-
-        write_card(directory, acceptance_prompts=args.acceptance_prompts)
-
-
-if __name__ == "__main__":
-    main()

@@ -393,3 +393,19 @@ def render_card(card: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tools.models.smollm2_card [--out DIR]`: the card of a fetched pair (what
+    `draftwire models fetch smollm2 --card` runs after the fetch)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tools.models.smollm2_card")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--acceptance-prompts", type=int, default=6)
+    args = parser.parse_args(argv)
+    write_card(args.out or default_dir(), acceptance_prompts=args.acceptance_prompts)
+
+
+if __name__ == "__main__":
+    main()
