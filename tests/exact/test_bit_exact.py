@@ -10,7 +10,9 @@ In plain bfloat16 about 2 % of positions flip their argmax between a one-positio
 (docs/invariance.md), so nearly every 160-token reply would differ somewhere.
 
 The references are the cost: one forward per position, 3,840 of them (in float32 on a 2-core AVX2 EPYC
-about 0.12 s each; the earlier 20 x 256 took 20 minutes there, a quarter of CI's time).
+about 0.12 s each; the earlier 20 x 256 took 20 minutes there, a quarter of CI's time). They are cached
+on disk, keyed by the model's bytes, the numerics, the libraries, the reference code and the spec, so
+they are computed again only when one of those changes.
 """
 
 import asyncio
@@ -26,6 +28,7 @@ from tests.capability import EXACT_DTYPE
 from tools.bench.prompts import chat_prompts
 from tools.models import smollm2
 from tools.rig.serverproc import ServerProcess
+from tools.testkit.oracle import cached_references
 from verifier_service import invariant
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
@@ -58,8 +61,10 @@ def specs(pair) -> list[SessionSpec]:
 
 @pytest.fixture(scope="module")
 def references(pair, specs) -> list[list[int]]:
+    """The target alone, cached by model, numerics, code and spec (tools/testkit/oracle.py): computed
+    once per change to any of them, read back otherwise."""
     engine = TargetEngine.load(pair / smollm2.TARGET, dtype=DTYPE)
-    return [reference_decode(engine, spec) for spec in specs]
+    return cached_references(pair / smollm2.TARGET, engine, specs)
 
 
 def speculate(address: str, draft, specs: list[SessionSpec]) -> list[list[int]]:

@@ -1,8 +1,10 @@
-"""The independent reference the exactness tests compare with: transformers' own greedy `generate` on
-the target, in float32, with nothing of the verifier's (no engine, no rules, no caches of ours)."""
+"""The references the exactness tests compare with: transformers' own greedy `generate` on the target, in
+float32, with nothing of the verifier's (no engine, no rules, no caches of ours); and `reference` (the
+target alone, one position per forward) cached on disk by everything its tokens depend on."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,3 +37,94 @@ def transformers_greedy(
     del model
     gc.collect()
     return outputs
+
+
+# The code a reference's tokens depend on besides the model and the spec: a change to any of these
+# files is a new key, so a cached reference is never older than the code it stands for.
+REFERENCE_CODE = (
+    "draftwire/contract.py",
+    "draftwire/ngram.py",
+    "draftwire/rules.py",
+    "verifier_service/batcher.py",
+    "verifier_service/engine.py",
+    "verifier_service/families.py",
+    "verifier_service/invariant.py",
+    "verifier_service/numerics.py",
+    "verifier_service/session.py",
+)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def reference_cache_dir() -> Path:
+    """Where cached references live: $DRAFTWIRE_REFERENCE_CACHE, else ~/.cache/draftwire/references
+    (outside the checkout, so that CI's fresh clones on one machine share it, as they share the fetched
+    models)."""
+    if os.environ.get("DRAFTWIRE_REFERENCE_CACHE"):
+        return Path(os.environ["DRAFTWIRE_REFERENCE_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "draftwire" / "references"
+
+
+_model_digests: dict[tuple, str] = {}
+
+
+def model_digest(target: Path) -> str:
+    """sha256 over the target directory's files (names and contents), memoized while no file changes."""
+    import hashlib
+
+    files = sorted(p for p in Path(target).rglob("*") if p.is_file())
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if stamp not in _model_digests:
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(str(path.relative_to(target)).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
+        _model_digests[stamp] = digest.hexdigest()
+    return _model_digests[stamp]
+
+
+def reference_key(target: Path, engine, spec) -> dict:
+    """What a reference's tokens are a function of: the model's bytes, the numerics the engine computes
+    with (dtype, kernel class, device), the libraries, the code (REFERENCE_CODE) and the spec."""
+    import hashlib
+    from importlib.metadata import version
+
+    code = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in REFERENCE_CODE)).hexdigest()
+    return {
+        "model": model_digest(target),
+        "numerics": engine.numerics.identity,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "code": code,
+        "spec": repr(spec),
+    }
+
+
+def cached_references(target: Path, engine, specs: Sequence) -> list[list[int]]:
+    """`reference_decode(engine, spec)` for each spec (the target alone, one position per forward), read
+    from the cache where the same key (reference_key) was decoded before, else decoded and written
+    there. `engine` must be the target at `target`, loaded as the key says."""
+    import hashlib
+    import json
+
+    from verifier_service.session import reference_decode
+
+    directory = reference_cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for spec in specs:
+        key = reference_key(target, engine, spec)
+        path = directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
+        try:
+            cached = json.loads(path.read_text())
+            ids = cached["ids"] if cached["key"] == key else None
+        except (OSError, ValueError, KeyError):
+            ids = None
+        if ids is None:
+            ids = reference_decode(engine, spec)
+            fresh = path.with_suffix(f".{os.getpid()}.tmp")
+            fresh.write_text(json.dumps({"key": key, "ids": ids}))
+            fresh.replace(path)
+        out.append(ids)
+    return out
