@@ -31,7 +31,6 @@ from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import cached_references
 from verifier_service import invariant
 from verifier_service.engine import TargetEngine
-from verifier_service.session import reference_decode
 
 if not invariant.supported(torch.float32):
     pytest.skip("no invariant kernels on this machine (torch without oneDNN)", allow_module_level=True)
@@ -123,7 +122,7 @@ def test_without_the_invariant_kernels_outputs_differ(pair, specs):
     six greedy prompts at least one reply differs (each has 160 chances of a flipped near-tie)."""
     few = specs[:6]
     engine = TargetEngine.load(pair / smollm2.TARGET, dtype=DTYPE, invariant=False)
-    expected = [reference_decode(engine, spec) for spec in few]
+    expected = cached_references(pair / smollm2.TARGET, engine, few)  # keyed by the plain kernels' class
     flags = ["--dtype", DTYPE, "--no-bit-exact", "--max-gamma", "8"]
     with ServerProcess(pair / smollm2.TARGET, *flags) as server:
         got = speculate(server.address, smollm2.draft_path(pair), few)
