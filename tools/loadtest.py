@@ -25,8 +25,8 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
-from tools.bench.prompts import id_prompts
 from tools.figures import percentile
+from tools.models.prompts import id_prompts
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from draftwire.contract import SamplingParams, SessionSpec
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import EXACT_DTYPE
-from tools.bench.prompts import chat_prompts
 from tools.models import smollm2
+from tools.models.prompts import chat_prompts
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import cached_references
 from verifier_service import invariant

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.capability import dtype_params, needs_bf16
-from tools.bench.prompts import chat_turns
 from tools.models import smollm2
+from tools.models.prompts import chat_turns
 from verifier_service import invariant
 from verifier_service.engine import Forward, TargetEngine
 

@@ -15,8 +15,8 @@ from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.bench.prompts import chat_turns
 from tools.models import smollm2
+from tools.models.prompts import chat_turns
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import transformers_greedy
 from verifier_service.engine import TargetEngine

@@ -13,6 +13,7 @@ longer than a screen (MAX_FUNCTION_LINES).
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,24 @@ NOT_BELOW = {
     "cluster/front.py": {"verifier_service.servicer", "verifier_service.stream", "verifier_service.session"},
     "edge_client/planner.py": {"edge_client.session", "edge_client.app"},
 }
+# Inside tools/: what each kit may import of the others. The rig is the ground floor, models stands on
+# it, the load test on models, the benches on all three; the test and stress kits (not in the wheel) on
+# anything, and nothing shipped stands on them.
+TOOLS_ALLOWED = {
+    "rig": set(),
+    "cliargs": set(),
+    "figures": set(),
+    "models": {"rig"},
+    "loadtest": {"models", "rig", "figures"},
+    "bench": {"models", "rig", "loadtest", "figures", "cliargs"},
+    "testkit": {"models", "rig"},
+    "stress": {"models", "rig", "loadtest", "figures", "cliargs", "bench", "testkit"},
+}
 PRODUCT = ("draftwire", "edge_client", "verifier_service", "cluster", "draftwire_cli")
 MAX_FUNCTION_LINES = 60
 
 
+@functools.cache
 def modules() -> dict[str, set[str]]:
     """Each source file (relative path) -> the top-level names of every module it imports."""
     found = {}
@@ -153,3 +168,14 @@ def test_no_product_function_is_longer_than_a_screen():
                     if lines > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert long == []
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in modules() if p.startswith("tools/") and p != "tools/__init__.py")
+)
+def test_the_kits_inside_tools_stand_on_the_ones_below(path):
+    kit = path.split("/")[1].removesuffix(".py")
+    used = {n.split(".")[1] for n in modules()[path] if n.startswith("tools.") and n.count(".") >= 1}
+    assert used - {kit} <= TOOLS_ALLOWED[kit], (
+        f"{path} imports the kits {sorted(used - {kit} - TOOLS_ALLOWED[kit])}"
+    )

@@ -48,7 +48,7 @@ class BenchConfig:
         """From the flags every bench takes (--target, --draft, --prompts, --chat, --prompt-tokens,
         --max-new-tokens, --gammas, --rtts, --draft-threads, --two-device, --temperature, --dtype,
         --no-bit-exact, and --draft-hf where it has one); `fields` set the rest."""
-        from tools.bench.prompts import chat_prompts, heldout_prompts
+        from tools.models.prompts import chat_prompts, heldout_prompts
 
         if args.chat:
             prompts = chat_prompts(args.target, args.prompts)

@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.bench.prompts import id_prompts
+from tools.models.prompts import id_prompts
 from verifier_service.engine import Forward, TargetEngine
 
 
