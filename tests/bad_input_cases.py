@@ -1,5 +1,6 @@
-"""Bad input for a Verifier's Session stream, each with the status and words it must get: shared by the
-in-process check over the fake engine (tests/wire) and the real `serve` in a subprocess."""
+"""Bad input for a Verifier's Session stream, each with the status and words it must get, and the small
+clients the limit tests use: shared by the in-process checks over the fake engine (tests/wire) and those
+against a real `serve` in a subprocess (tests/system)."""
 
 import asyncio
 import math
@@ -128,3 +129,25 @@ CASES = [
         id="proposal after finish",
     ),
 ]
+
+
+def plain_open(max_new: int = 16, stop=()) -> pb.EdgeMessage:
+    """An open of PROMPT, greedy, `max_new` tokens, EOS ignored."""
+    stop_conditions = pb.StopConditions(max_new_tokens=max_new, ignore_eos=True, stop_token_ids=stop)
+    return pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=PROMPT, stop=stop_conditions))
+
+
+async def opened(channel, max_new: int = 16):
+    """A session opened and held (its call), or the AioRpcError of its refusal."""
+    call = pb_grpc.VerifierStub(channel).Session()
+    await call.write(plain_open(max_new))
+    try:
+        assert (await call.read()).WhichOneof("kind") == "opened"
+    except grpc.aio.AioRpcError as e:
+        return e
+    return call
+
+
+def retry_hint(error: grpc.aio.AioRpcError) -> int:
+    """The `retry-after-ms` a RESOURCE_EXHAUSTED refusal carries."""
+    return int(dict(error.trailing_metadata())["retry-after-ms"])

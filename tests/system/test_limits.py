@@ -9,6 +9,7 @@ import pytest
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from tests.bad_input_cases import opened, plain_open, retry_hint
 from tools.rig.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 
@@ -50,22 +51,6 @@ def per_client(test_pair):
         yield server
 
 
-def open_msg(max_new=16, stop=()) -> pb.EdgeMessage:
-    stop_conditions = pb.StopConditions(max_new_tokens=max_new, ignore_eos=True, stop_token_ids=stop)
-    return pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=PROMPT, stop=stop_conditions))
-
-
-async def opened(channel, max_new=16):
-    """A session opened and held (the call), or the AioRpcError of its refusal."""
-    call = pb_grpc.VerifierStub(channel).Session()
-    await call.write(open_msg(max_new))
-    try:
-        assert (await call.read()).WhichOneof("kind") == "opened"
-    except grpc.aio.AioRpcError as e:
-        return e
-    return call
-
-
 async def stats(channel) -> pb.ServerStats:
     return await pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
 
@@ -76,10 +61,6 @@ async def settle(channel, active: int) -> pb.ServerStats:
             return s
         await asyncio.sleep(0.05)
     return await stats(channel)
-
-
-def retry_hint(error: grpc.aio.AioRpcError) -> int:
-    return int(dict(error.trailing_metadata())["retry-after-ms"])
 
 
 def test_the_global_cap_refuses_the_third_and_a_release_makes_room(limited):
@@ -165,7 +146,7 @@ def test_a_stale_flood_ends_the_session(limited):
                 pb.EdgeMessage(proposal=pb.Proposal(round=r, start_position=99, draft_token_ids=[1]))
                 for r in range(1, 40)
             ]
-            call = pb_grpc.VerifierStub(channel).Session(iter([open_msg(), *stale]))
+            call = pb_grpc.VerifierStub(channel).Session(iter([plain_open(), *stale]))
             replies = []
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 async for reply in call:
@@ -181,7 +162,7 @@ def test_unbounded_stop_ids_are_refused(limited):
     async def scenario():
         async with grpc.aio.insecure_channel(limited.address) as channel:
             call = pb_grpc.VerifierStub(channel).Session()
-            await call.write(open_msg(stop=list(range(300)) * 100))
+            await call.write(plain_open(stop=list(range(300)) * 100))
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await call.read()
             return error.value
@@ -258,7 +239,7 @@ def test_a_run_of_stale_proposals_ends_the_session(per_client):
                 pb.EdgeMessage(proposal=pb.Proposal(round=r, start_position=99, draft_token_ids=[1]))
                 for r in range(1, 100)
             ]
-            call = pb_grpc.VerifierStub(channel).Session(iter([open_msg(), *stale]))
+            call = pb_grpc.VerifierStub(channel).Session(iter([plain_open(), *stale]))
             replies = []
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 async for reply in call:

@@ -12,11 +12,20 @@ import time
 import grpc
 import pytest
 
-from draftwire import wire
-from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tests.bad_input_cases import CASES, INVALID, PROMPT, START, exchange, open_msg, proposal, refused
+from tests.bad_input_cases import (
+    CASES,
+    INVALID,
+    PROMPT,
+    START,
+    exchange,
+    open_msg,
+    opened,
+    proposal,
+    refused,
+    retry_hint,
+)
 from tools.testkit.fakes import FakeEngine, fake_info, successor
 from tools.testkit.inprocess import InProcessServer
 from verifier_service.admission import AdmissionConfig
@@ -241,25 +250,9 @@ def test_a_thin_read_out_of_bounds_is_refused(server):
 # Helpers.
 
 
-def plain_open(max_new: int = 16) -> pb.EdgeMessage:
-    spec = SessionSpec(tuple(PROMPT), SamplingParams(), max_new, ignore_eos=True)
-    return pb.EdgeMessage(open=wire.spec_to_proto(spec))
-
-
 def thin_spec(max_new: int) -> pb.OpenSession:
     stop = pb.StopConditions(max_new_tokens=max_new, ignore_eos=True)
     return pb.OpenSession(prompt_token_ids=[5, 6, 7], stop=stop, drafting=pb.DRAFTING_NONE)
-
-
-async def opened(channel, max_new: int = 16):
-    """A session opened and held (its call), or the AioRpcError of its refusal."""
-    call = pb_grpc.VerifierStub(channel).Session()
-    await call.write(plain_open(max_new))
-    try:
-        assert (await call.read()).WhichOneof("kind") == "opened"
-    except grpc.aio.AioRpcError as e:
-        return e
-    return call
 
 
 def continuation(sequence: list[int], count: int) -> list[int]:
@@ -268,10 +261,6 @@ def continuation(sequence: list[int], count: int) -> list[int]:
     for _ in range(count):
         out.append(successor(out[-1], VOCAB))
     return out[1:]
-
-
-def retry_hint(error: grpc.aio.AioRpcError) -> int:
-    return int(dict(error.trailing_metadata())["retry-after-ms"])
 
 
 def connection(address: str) -> grpc.aio.Channel:
