@@ -26,7 +26,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.models.kit import stdlib_texts
 from tools.rig.serverproc import DRAFTWIRE
-from tools.testkit.oracle import transformers_greedy
+from tools.testkit.oracle import cached_references, transformers_greedy
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
@@ -113,13 +113,17 @@ def test_pipelined_greedy_equals_transformers_generate(server, drafters, prompts
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
 
 
-def test_seeded_sampling_equals_reference_whatever_gamma_and_draft(server, drafters, prompts, engine):
+def test_seeded_sampling_equals_reference_whatever_gamma_and_draft(
+    server, drafters, prompts, engine, test_pair
+):
     """Invariance: the same seed gives the same output whatever gamma, draft and pipeline depth."""
     prompt = tuple(prompts[6])
     seeds = range(1000, 1020)
     for seed in seeds:
         params = SamplingParams(seed=seed, **SAMPLING)
-        expected = reference_decode(engine, SessionSpec(prompt, params, NEW_TOKENS))
+        [expected] = cached_references(
+            test_pair.target_dir, engine, [SessionSpec(prompt, params, NEW_TOKENS)]
+        )
         for draft, gamma, pipeline in [
             ("f16", 4, 0),
             ("f16", 1, 0),
@@ -203,7 +207,9 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
         assert spec["text"] == ref["text"]
 
 
-def test_concurrent_sessions_are_batched_and_stay_exact(server, drafters, prompts, hf_greedy, engine):
+def test_concurrent_sessions_are_batched_and_stay_exact(
+    server, drafters, prompts, hf_greedy, engine, test_pair
+):
     """Twelve sessions at once: the verifier runs their rounds in shared forward passes, and every
     output still equals its reference (greedy: transformers; seeded: `reference`)."""
     greedy = [GenerationRequest(tuple(p), max_new_tokens=NEW_TOKENS, gamma=4) for p in prompts[:6]]
@@ -211,9 +217,8 @@ def test_concurrent_sessions_are_batched_and_stay_exact(server, drafters, prompt
         GenerationRequest(tuple(prompts[6]), SamplingParams(seed=s, **SAMPLING), NEW_TOKENS, 3)
         for s in range(6)
     ]
-    expected = hf_greedy[:6] + [
-        reference_decode(engine, SessionSpec(r.prompt_token_ids, r.sampling, NEW_TOKENS)) for r in seeded
-    ]
+    specs = [SessionSpec(r.prompt_token_ids, r.sampling, NEW_TOKENS) for r in seeded]
+    expected = hf_greedy[:6] + cached_references(test_pair.target_dir, engine, specs)
 
     async def run():
         async with grpc.aio.insecure_channel(server.address) as channel:

@@ -111,13 +111,13 @@ def test_greedy_equals_transformers_generate_at_gamma_4_and_8(pair, prompts, ser
 
 
 def test_seeded_sampling_equals_reference_at_gamma_4_and_8(pair, prompts, server):
+    from tools.testkit.oracle import cached_references
     from verifier_service.engine import TargetEngine
-    from verifier_service.session import reference_decode
 
     engine = TargetEngine.load(pair / chunks.TARGET, dtype="float32")
     for i, prompt in enumerate(prompts[1:3]):  # code, and the whitespace run
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=31 + i)
-        expected = reference_decode(engine, SessionSpec(prompt, params, NEW))
+        [expected] = cached_references(pair / chunks.TARGET, engine, [SessionSpec(prompt, params, NEW)])
         for gamma in GAMMAS:
             [(ids, _)] = _speculate(server.address, pair, [prompt], params, gamma)
             assert ids == expected, f"prompt {i}, gamma {gamma}"

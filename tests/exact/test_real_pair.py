@@ -18,9 +18,8 @@ from edge_client.session import EdgeSession, GenerationRequest
 from tools.models import smollm2
 from tools.models.prompts import chat_turns
 from tools.rig.serverproc import ServerProcess
-from tools.testkit.oracle import transformers_greedy
+from tools.testkit.oracle import cached_references, transformers_greedy
 from verifier_service.engine import TargetEngine
-from verifier_service.session import reference_decode
 
 QUESTIONS = [
     "What is the boiling point of water at sea level?",
@@ -86,7 +85,7 @@ def test_seeded_sampling_equals_reference_across_gamma_drafts_and_pipelining(pai
     engine = TargetEngine.load(pair / smollm2.TARGET, dtype="float32")
     for i, prompt in enumerate(prompts[:3]):
         params = SamplingParams(temperature=0.7, seed=100 + i)
-        expected = reference_decode(engine, SessionSpec(prompt, params, 48))
+        [expected] = cached_references(pair / smollm2.TARGET, engine, [SessionSpec(prompt, params, 48)])
         for kind, gamma, pipeline in (("q4_1", 1, 0), ("q4_1", 4, 2), ("q8_0", 8, 0), ("q4_0", 3, 1)):
             [ids] = speculate(
                 server.address,

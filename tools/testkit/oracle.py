@@ -12,8 +12,28 @@ from pathlib import Path
 def transformers_greedy(
     target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[list[int]]:
-    """Each prompt's greedy continuation: up to `max_new_tokens`, the end of sequence included where it
-    comes first (as a session stops there). The model is freed before returning."""
+    """Each prompt's greedy continuation by transformers' `generate` in float32: up to `max_new_tokens`,
+    the end of sequence included where it comes first (as a session stops there). Read from the cache
+    where the same key was generated before (the model's bytes, the CPU's plain float32 kernel class,
+    the libraries, this file, the prompt and the length), else generated and written there."""
+    from verifier_service.numerics import Hardware
+
+    kernels = Hardware.detect("cpu").numerics("float32", exact=False).identity
+    common = {**_common_key(target), "oracle": "transformers-greedy", "kernels": kernels}
+    common["code"] = _code(ORACLE_CODE)
+    keys = [{**common, "prompt": list(p), "max_new_tokens": max_new_tokens} for p in prompts]
+    found = [_load(key) for key in keys]
+    missing = [i for i, ids in enumerate(found) if ids is None]
+    if missing:
+        fresh = _generate_greedy(target, [prompts[i] for i in missing], max_new_tokens)
+        for i, ids in zip(missing, fresh, strict=True):
+            _store(keys[i], ids)
+            found[i] = ids
+    return found
+
+
+def _generate_greedy(target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt; the model is freed before returning."""
     import gc
 
     import torch
@@ -84,47 +104,73 @@ def model_digest(target: Path) -> str:
     return _model_digests[stamp]
 
 
+ORACLE_CODE = ("tools/testkit/oracle.py",)
+
+
+def _code(files: Sequence[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in files)).hexdigest()
+
+
+def _common_key(target: Path) -> dict:
+    from importlib.metadata import version
+
+    return {"model": model_digest(target), "torch": version("torch"), "transformers": version("transformers")}
+
+
 def reference_key(target: Path, engine, spec) -> dict:
     """What a reference's tokens are a function of: the model's bytes, the numerics the engine computes
     with (dtype, kernel class, device), the libraries, the code (REFERENCE_CODE) and the spec."""
-    import hashlib
-    from importlib.metadata import version
-
-    code = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in REFERENCE_CODE)).hexdigest()
     return {
-        "model": model_digest(target),
+        **_common_key(target),
         "numerics": engine.numerics.identity,
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "code": code,
+        "code": _code(REFERENCE_CODE),
         "spec": repr(spec),
     }
+
+
+def _path(key: dict) -> Path:
+    import hashlib
+    import json
+
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return reference_cache_dir() / f"{name}.json"
+
+
+def _load(key: dict) -> list[int] | None:
+    """The cached ids of `key`; None when absent, damaged or another key's."""
+    import json
+
+    try:
+        cached = json.loads(_path(key).read_text())
+        return cached["ids"] if cached["key"] == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store(key: dict, ids: list[int]) -> None:
+    import json
+
+    path = _path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = path.with_suffix(f".{os.getpid()}.tmp")
+    fresh.write_text(json.dumps({"key": key, "ids": ids}))
+    fresh.replace(path)
 
 
 def cached_references(target: Path, engine, specs: Sequence) -> list[list[int]]:
     """`reference_decode(engine, spec)` for each spec (the target alone, one position per forward), read
     from the cache where the same key (reference_key) was decoded before, else decoded and written
     there. `engine` must be the target at `target`, loaded as the key says."""
-    import hashlib
-    import json
-
     from verifier_service.session import reference_decode
 
-    directory = reference_cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     out = []
     for spec in specs:
         key = reference_key(target, engine, spec)
-        path = directory / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
-        try:
-            cached = json.loads(path.read_text())
-            ids = cached["ids"] if cached["key"] == key else None
-        except (OSError, ValueError, KeyError):
-            ids = None
+        ids = _load(key)
         if ids is None:
             ids = reference_decode(engine, spec)
-            fresh = path.with_suffix(f".{os.getpid()}.tmp")
-            fresh.write_text(json.dumps({"key": key, "ids": ids}))
-            fresh.replace(path)
+            _store(key, ids)
         out.append(ids)
     return out
