@@ -36,6 +36,7 @@ def limits(args):
         client_kv_share=args.client_kv_share,
         max_stale_in_a_row=args.max_stale_in_a_row,
         max_stale_per_s=args.max_stale_per_s,
+        max_refused_opens_per_s=args.max_refused_opens_per_s,
     )
     return admission, LifetimeConfig(args.idle_timeout_s, args.max_session_age_s, args.drain_timeout_s)
 

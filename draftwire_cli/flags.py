@@ -247,6 +247,12 @@ def add_limits(p: argparse.ArgumentParser) -> None:
         "--max-stale-in-a-row", type=count, default=64, help="stale proposals in a row that end a session"
     )
     g.add_argument("--max-stale-per-s", type=count, default=0, help="stale proposals per session per second")
+    g.add_argument(
+        "--max-refused-opens-per-s",
+        type=count,
+        default=20,
+        help="opens of one client refused in a second before its next ones are refused unread (0: no limit)",
+    )
     g.add_argument("--idle-timeout-s", type=seconds, default=60.0, help="a session silent this long ends")
     g.add_argument("--max-session-age-s", type=seconds, default=3600.0, help="a session open this long ends")
     g.add_argument(

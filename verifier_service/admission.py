@@ -29,6 +29,10 @@ class AdmissionConfig:
     # rejection, a flood many more. More in a row than this ends the session; 0: no limit.
     max_stale_in_a_row: int = 64
     max_stale_per_s: int = 0  # stale proposals one session may send in any second; 0: no limit
+    # Opens of one client refused (bad input, no room) in any second; past it, its next opens are refused
+    # before a byte of them is parsed, until the second has passed (a flood of bad opens costs the
+    # server their parsing otherwise); 0: no limit.
+    max_refused_opens_per_s: int = 20
 
 
 class Refused(Exception):
@@ -37,6 +41,10 @@ class Refused(Exception):
     def __init__(self, message: str, retry_after_s: float):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RefusedUnread(Refused):
+    """An open refused before it was read: its client's opens were refused too often just before."""
 
 
 class Window:
@@ -91,6 +99,7 @@ class Admission:
         self._per_client: collections.Counter[str] = collections.Counter()
         self._client_kv: collections.Counter[str] = collections.Counter()
         self._rates: dict[str, Window] = {}  # client -> its recent opens; emptied windows are dropped
+        self._refused: dict[str, Window] = {}  # client -> its opens refused in the last second
         self._next_sweep = 0.0
         self.kv_reserved = 0
 
@@ -143,8 +152,27 @@ class Admission:
         if now < self._next_sweep:
             return
         self._next_sweep = now + 60.0
-        for client in [c for c, window in self._rates.items() if window.empty(now)]:
-            del self._rates[client]
+        for table in (self._rates, self._refused):
+            for client in [c for c, window in table.items() if window.empty(now)]:
+                del table[client]
+
+    def refused_open(self, client: str, now: float) -> None:
+        """Counts an open of `client` refused at `now` (not one refused unread)."""
+        if self.config.max_refused_opens_per_s:
+            self._sweep(now)
+            window = self._refused.setdefault(client, Window(self.config.max_refused_opens_per_s, 1.0))
+            window.allow(now)
+
+    def check_refusals(self, client: str, now: float) -> None:
+        """Raises RefusedUnread when `client` had its maximum of refused opens in the last second: its
+        next open is refused before it is read, until the oldest of those is a second old."""
+        window = self._refused.get(client)
+        if window is not None and (wait := window.wait_s(now)) > 0:
+            raise RefusedUnread(
+                f"client {client!r} had {window.limit} opens refused in the last second: "
+                "its next opens are refused unread",
+                wait,
+            )
 
     @property
     def rate_clients(self) -> int:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 
 from draftwire.contract import Proposal, SessionSpec, Verdict
-from verifier_service.admission import Admission, AdmissionConfig, Refused, Window
+from verifier_service.admission import Admission, AdmissionConfig, Refused, RefusedUnread, Window
 from verifier_service.batcher import BatchConfig, Batcher, ServedEngine
 from verifier_service.engine import PrefixCacheConfig
 from verifier_service.gamma_cap import CapConfig, GammaCap
@@ -148,8 +148,10 @@ class Verifier:
         lifetime = Lifetime(self.config.lifetime, self.cut, admitted)
         stale = StaleLimit(self.config.admission)
         sent = lambda reply: lifetime.sent(write(reply))  # noqa: E731
+        session = None
         try:
-            session = None
+            # A client whose opens were refused too often just now: refused before its open is read.
+            self.admission.check_refusals(client, asyncio.get_running_loop().time())
             async for message in lifetime.messages(incoming):
                 if session is None:
                     session = await self._open(key, client, message)
@@ -163,6 +165,8 @@ class Verifier:
         except (SessionError, Refused, Ended) as e:
             log.info("session %s ended: %s: %s", key, type(e).__name__, e)
             self.revoked_sessions += lifetime.revoked.is_set()
+            if session is None and isinstance(e, SessionError | Refused) and not isinstance(e, RefusedUnread):
+                self.admission.refused_open(client, asyncio.get_running_loop().time())
             raise
         except Exception:  # a bug or a device failure: this session only
             log.exception("session %s failed", key)

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2
 
 from draftwire.v1 import draftwire_pb2 as pb
 from tools.rig.serverproc import ServerProcess
-from tools.stress.fuzz import FuzzConfig, raw_call, run_campaign, start_secured
+from tools.stress.fuzz import DEEP, FuzzConfig, raw_call, run_campaign, start_secured
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CORRUPT = b"\xff\xff"  # a varint that never ends: no protobuf message parses from it
@@ -16,7 +16,7 @@ CORRUPT = b"\xff\xff"  # a varint that never ends: no protobuf message parses fr
 
 @pytest.fixture(scope="module")
 def fuzzed(test_pair):
-    with ServerProcess(test_pair.target_dir, "--max-gamma", "8") as server:
+    with ServerProcess(test_pair.target_dir, "--max-gamma", "8", *DEEP) as server:
         yield server
 
 

@@ -198,7 +198,9 @@ def test_refused_large_opens_do_not_stay_in_memory(test_pair):
                 codes |= set(await asyncio.gather(*(one() for _ in range(40))))
             return codes
 
-    with ServerProcess(test_pair.target_dir, "--dtype", "float32") as server:
+    # Every open parsed and refused (none refused unread: that path is tests/wire's).
+    flags = ("--dtype", "float32", "--max-refused-opens-per-s", "0")
+    with ServerProcess(test_pair.target_dir, *flags) as server:
         warm = asyncio.run(refusals(server.address, 80))
         before = rss_mb(server.proc.pid)
         codes = asyncio.run(refusals(server.address, 160))

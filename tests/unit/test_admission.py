@@ -162,3 +162,26 @@ def test_the_budget_must_be_sized_before_admission_starts():
     with pytest.raises(ValueError, match="sized by the server"):
         Admission(AdmissionConfig())
     assert AdmissionConfig().max_sessions and AdmissionConfig().client_kv_share < 1  # on by default
+
+
+def test_refused_opens_past_the_limit_refuse_the_client_unread_for_the_rest_of_the_second():
+    from verifier_service.admission import RefusedUnread
+
+    admission = Admission(limits(max_refused_opens_per_s=3))
+    for t in (0.0, 0.1, 0.2):
+        admission.check_refusals("x", t)  # room yet: read
+        admission.refused_open("x", t)
+    with pytest.raises(RefusedUnread) as refused:
+        admission.check_refusals("x", 0.5)
+    assert refused.value.retry_after_s == pytest.approx(0.5)  # until the refusal at 0.0 is a second old
+    admission.check_refusals("y", 0.5)  # another client is read
+    admission.check_refusals("x", 1.01)  # the window moved on
+    admission.refused_open("x", 70.0)  # the sweep forgets clients of a minute ago
+    assert set(admission._refused) == {"x"} and len(admission._refused["x"]._times) == 1
+
+
+def test_no_limit_on_refused_opens_when_it_is_zero():
+    admission = Admission(limits(max_refused_opens_per_s=0))
+    for t in range(100):
+        admission.refused_open("x", t / 1000)
+    admission.check_refusals("x", 0.1)

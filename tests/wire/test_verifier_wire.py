@@ -22,6 +22,7 @@ from tests.bad_input_cases import (
     exchange,
     open_msg,
     opened,
+    plain_open,
     proposal,
     refused,
     retry_hint,
@@ -266,3 +267,36 @@ def continuation(sequence: list[int], count: int) -> list[int]:
 def connection(address: str) -> grpc.aio.Channel:
     """A channel on a TCP connection of its own (channels of one process share connections otherwise)."""
     return grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_a_client_whose_opens_are_refused_too_often_is_refused_unread_for_a_second():
+    """Past 5 refused opens in a second (`max_refused_opens_per_s`), a connection's next opens get
+    RESOURCE_EXHAUSTED before they are parsed, with the time to wait; another connection is served, and
+    so is the first once the second has passed."""
+    admission = AdmissionConfig(max_refused_opens_per_s=5)
+    empty = pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=[]))
+
+    async def one(channel, message) -> grpc.aio.AioRpcError | None:
+        call = pb_grpc.VerifierStub(channel).Session(iter([message]))
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e
+        return None
+
+    async def run(address):
+        async with connection(address) as flood, connection(address) as other:
+            codes = [(await one(flood, empty)).code() for _ in range(7)]
+            unread = await one(flood, plain_open(2))
+            elsewhere = await one(other, plain_open(2))
+            await asyncio.sleep(retry_hint(unread) / 1000 + 0.05)
+            return codes, unread, elsewhere, await one(flood, plain_open(2))
+
+    with InProcessServer(engine(), config(admission=admission)) as srv:
+        codes, unread, elsewhere, later = asyncio.run(run(srv.address))
+    assert codes == [INVALID] * 5 + [EXHAUSTED] * 2
+    assert (
+        unread.code() == EXHAUSTED and "refused unread" in unread.details() and 0 < retry_hint(unread) <= 1000
+    )
+    assert elsewhere is None and later is None

@@ -5,10 +5,12 @@ the flood is N thin sessions whose edge never reads (`serve --thin-read-ahead`, 
 
     python -m tools.bench.prefill_stall [--target DIR] [--prompt-tokens 5000] [--floods 2]
     python -m tools.bench.prefill_stall --thin 50 --thin-tokens 1000 --read-aheads 64,100000
-    python -m tools.bench.prefill_stall --refused 2000 --shares 0.5
+    python -m tools.bench.prefill_stall --refused 2000 --refusal-limits 0,20
 
 With --refused N, the flood is N opens of about 1 MiB each (a prompt far over the context, which the
-verifier refuses with INVALID_ARGUMENT), 8 at a time; the arm also reports refusals per second.
+verifier refuses with INVALID_ARGUMENT), 8 at a time on the bystander's connection; the arms differ in
+`serve --max-refused-opens-per-s` (0: every open parsed; 20: past 20 refusals in a second, the client's
+next opens are refused unread), and each reports its opens per second and their statuses.
 
 Each arm starts its own `serve` pinned to the verifier's core. A bystander (on the other core) plays
 rounds of 5 draft tokens with a 20 ms pause between them (its draft), first alone, then while `--floods`
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -89,26 +92,28 @@ async def thin_flood(stub, sessions: int, tokens: int) -> list:
     return calls
 
 
-async def refused_flood(channel, opens: int, concurrency: int = 8) -> int:
+async def refused_flood(channel, opens: int, concurrency: int = 8) -> collections.Counter:
     """`opens` oversized opens (about 1 MiB: 250,000 ids, far over the context), `concurrency` at a
-    time; returns how many were refused with INVALID_ARGUMENT."""
+    time; returns how many ended with each status (INVALID_ARGUMENT: parsed and refused;
+    RESOURCE_EXHAUSTED: refused unread, the client having had too many refused)."""
     prompt = [random.Random(7).randrange(1 << 14, 1 << 21) for _ in range(250_000)]
     message = pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt)).SerializeToString()
-    left, refused = opens, 0
+    left, codes = opens, collections.Counter()
 
     async def worker():
-        nonlocal left, refused
+        nonlocal left
         while left > 0:
             left -= 1
             call = channel.stream_stream(f"/{SERVICE}/Session")()  # bytes as they are
-            await call.write(message)
             try:
+                await call.write(message)
                 await call.read()
-            except grpc.aio.AioRpcError as e:
-                refused += e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass
+            codes[(await call.code()).name] += 1
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return refused
+    return codes
 
 
 async def arm(address: str, args) -> dict:
@@ -153,7 +158,11 @@ async def arm(address: str, args) -> dict:
         "floods_s": round(prefill_s, 1),
         "flood_tokens": after.generated_tokens - before.generated_tokens - bystander_tokens,
         "engine_s": round(after.engine_seconds - before.engine_seconds, 1),
-        **({} if refused is None else {"refused": refused, "refusals_per_s": round(refused / prefill_s)}),
+        **(
+            {}
+            if refused is None
+            else {"refused": dict(refused), "refusals_per_s": round(refused.total() / prefill_s)}
+        ),
     }
 
 
@@ -171,10 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thin-s", type=float, default=20.0, help="how long the thin sessions stay open")
     p.add_argument("--refused", type=int, default=0, help="flood with this many oversized opens instead")
     p.add_argument("--read-aheads", default="64,100000", help="with --thin: each arm's --thin-read-ahead")
+    p.add_argument(
+        "--refusal-limits", default="0,20", help="with --refused: each arm's --max-refused-opens-per-s"
+    )
     args = p.parse_args(argv)
     os.sched_setaffinity(0, {1 - args.verifier_cpu})  # the bystander and floods: the other core
     results = {}
-    flag, values = ("--thin-read-ahead", args.read_aheads) if args.thin else ("--prefill-share", args.shares)
+    flag, values = ("--prefill-share", args.shares)
+    if args.thin:
+        flag, values = "--thin-read-ahead", args.read_aheads
+    elif args.refused:
+        flag, values = "--max-refused-opens-per-s", args.refusal_limits
     for value in values.split(","):
         extra = ["--dtype", "float32", flag, value, "--prefix-cache-mb", "0", "--max-sessions", "512"]
         extra += ["--max-sessions-per-client", "512", "--client-kv-share", "1"]

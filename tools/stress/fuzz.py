@@ -45,6 +45,9 @@ from edge_client.session import EdgeSession, Timeouts, VerifierError
 from tools.stress.fuzzcases import HEALTH, SERVICE, Secured, State, auth_cases, cases, sendable
 from tools.stress.rawwire import header_bytes, raw_call
 
+# The servers the campaign starts parse every case: a client's refused opens do not get its next ones
+# refused unread (--max-refused-opens-per-s), which would stop the cases before the parser.
+DEEP = ("--max-refused-opens-per-s", "0")
 CLIENT_RACE = "Internal error from Core"  # what grpc's aio client says when a write meets the status
 
 
@@ -488,6 +491,7 @@ def start_secured(target: Path, directory: Path, *extra: str):
         *tls,
         "--auth-tokens",
         str(tokens),
+        *DEEP,
         *extra,
         credentials=wire.ClientCredentials(True, secured.ca),
     )
@@ -539,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from tools.rig.serverproc import ServerProcess
 
-        with ServerProcess(args.target) as server:
+        with ServerProcess(args.target, *DEEP) as server:
             figures = run_campaign(server.address, config, alive=lambda: server.proc.poll() is None, log=log)
             figures.serving &= server.proc.poll() is None
     report = figures.report()
