@@ -161,7 +161,7 @@ async def arm(address: str, args) -> dict:
         **(
             {}
             if refused is None
-            else {"refused": dict(refused), "refusals_per_s": round(refused.total() / prefill_s)}
+            else {"refused": dict(refused), "opens_per_s": round(refused.total() / prefill_s)}
         ),
     }
 
