@@ -194,8 +194,11 @@ def test_verifier_error_carries_the_status(server, drafter):
 
     async def scenario() -> list[grpc.StatusCode]:
         codes = []
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            for _ in range(30):
+        # A connection of its own each time: one connection's opens refused more than
+        # --max-refused-opens-per-s in a second would be refused unread (tests/wire).
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        for _ in range(30):
+            async with grpc.aio.insecure_channel(server.address, options=own) as channel:
                 try:
                     await EdgeSession(channel, drafter).run(
                         GenerationRequest(tuple(PROMPT), max_new_tokens=600)
