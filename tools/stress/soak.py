@@ -33,7 +33,7 @@ from tools.loadtest import report_text
 from tools.rig.certs import make_certs
 from tools.rig.serverproc import DRAFTWIRE, ServerProcess, blocking_channel
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 POOL_FLAGS = ("--ray", "--replicas", "2", "--replica-cpus", "0.5", "--replica-host", "127.0.0.1")
 
 
