@@ -32,8 +32,8 @@ class TimedOut(Ended):
 class ShutDown(Ended):
     """The drain's time is up, or the verifier admits no new session while draining (UNAVAILABLE)."""
 
-    def __init__(self, message: str = ""):
-        super().__init__(message or SHUTTING_DOWN)
+    def __init__(self):
+        super().__init__(SHUTTING_DOWN)
 
 
 class Revoked(Ended):

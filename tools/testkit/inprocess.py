@@ -30,10 +30,6 @@ class InProcessServer:
         """Runs `coroutine` on the server's loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    @property
-    def servicer(self):
-        return self.server.servicer
-
     def healthy(self) -> bool:
         with grpc.insecure_channel(self.address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
