@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from draftwire import metrics, wire
+from draftwire import metrics, widths, wire
 from draftwire.contract import ModelInfo, Verdict
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
@@ -24,6 +25,7 @@ from verifier_service.admission import Refused
 from verifier_service.batcher import ServedEngine
 from verifier_service.grpc_kit import (
     RETRY_AFTER,
+    SERVICE,
     STATS_DENIED,
     ServerConfig,
     add_health_and_reflection,
@@ -36,7 +38,7 @@ from verifier_service.grpc_kit import (
 )
 from verifier_service.lifecycle import Revoked, ShutDown, TimedOut
 from verifier_service.session import InvalidRequest, VerifierLimits, WrongState
-from verifier_service.stream import Flooded, Open, Opened, Read, Unknown, Verifier
+from verifier_service.stream import Flooded, Incoming, Open, Opened, Read, Unknown, Verifier
 
 __all__ = ["ServerConfig", "VerifierLimits", "VerifierServer", "start_server", "wait_for_stop_signal"]
 log = logging.getLogger(__name__)
@@ -66,25 +68,33 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str, tuple]:
     return code, str(error), ()
 
 
-async def incoming(requests):
-    """The edge's messages as the stream takes them; bytes that are no EdgeMessage are InvalidRequest
-    (the edge's fault, not the verifier's)."""
+async def arrivals(requests):
+    """The edge's messages (bytes: the Session stream is registered without a deserializer) as they
+    arrive, each parsed and translated only when the stream calls it (stream.Arrival)."""
+    async for raw in requests:
+        yield functools.partial(translate, raw)
+        raw = None  # a refused open keeps nothing of the request alive
+
+
+def translate(raw: bytes) -> Incoming:
+    """One message as the stream takes it; bytes that are no EdgeMessage are InvalidRequest (the edge's
+    fault, not the verifier's), a uint32 field holding 2**32 or more included (draftwire.widths)."""
     try:
-        async for message in requests:
-            kind = message.WhichOneof("kind")
-            if kind == "open":
-                m = message.open
-                parse = lambda m=m: wire.spec_from_proto(m)  # noqa: E731
-                yield Open(len(m.prompt_token_ids), m.stop.max_new_tokens, parse)
-            elif kind == "proposal":
-                yield wire.proposal_from_proto(message.proposal)
-            elif kind == "read":
-                yield Read(message.read.committed_length)
-            else:
-                yield Unknown()
-            message = m = parse = None  # a refused open keeps nothing of the request alive
+        message = PARSE_EDGE_MESSAGE(raw)
     except DecodeError as e:
         raise InvalidRequest(f"not an EdgeMessage: {e}") from None
+    kind = message.WhichOneof("kind")
+    if kind == "open":
+        m = message.open
+        return Open(len(m.prompt_token_ids), m.stop.max_new_tokens, lambda: wire.spec_from_proto(m))
+    if kind == "proposal":
+        return wire.proposal_from_proto(message.proposal)
+    if kind == "read":
+        return Read(message.read.committed_length)
+    return Unknown()
+
+
+PARSE_EDGE_MESSAGE = widths.strict_parser(pb.EdgeMessage.FromString)
 
 
 def reply_to_proto(reply: Opened | Verdict) -> pb.VerifierMessage:
@@ -144,7 +154,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Session(self, request_iterator, context):
         """The stream (Verifier.run) over protobuf; its ending becomes a status (STATUS)."""
-        messages = incoming(request_iterator)
+        messages = arrivals(request_iterator)
         try:
             client = client_of(auth.caller(), context)
             write = lambda reply: context.write(reply_to_proto(reply))  # noqa: E731
@@ -212,6 +222,28 @@ class VerifierServer:
         await self.server.wait_for_termination()
 
 
+def add_to_server(servicer: VerifierServicer, server) -> None:
+    """The generated registration, but the Session stream's messages stay bytes until the stream reads
+    them (arrivals): a client refused too often is refused once its open has arrived, unparsed."""
+    handlers = {
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=pb.ModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "Session": grpc.stream_stream_rpc_method_handler(
+            servicer.Session, response_serializer=pb.VerifierMessage.SerializeToString
+        ),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats,
+            request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.ServerStats.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[VerifierServer, int]:
     """Starts the verifier, health and reflection services; returns the server and its bound port.
 
@@ -221,7 +253,7 @@ async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[Veri
     server = make_server(config, guards)
     servicer = VerifierServicer(engine, config)
     servicer.tokens = next((g.tokens for g in guards if g.tokens is not None), None)
-    pb_grpc.add_VerifierServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server)
     port = await bind_and_start(server, config.host, config.port, config.tls)
     started = VerifierServer(server, servicer, health_servicer)

@@ -3,8 +3,9 @@ messages and the verifier's replies.
 
 `Verifier.run` is a whole stream: the first-message rule, the drain's refusal, admission, the open,
 then the edge's proposals (or, for a thin session, the rounds the verifier plays itself), the stale
-flood limit and the session's lifetime. Its messages come in, and its replies go out, as the contract's
-dataclasses (`Open`, `Read`, `Proposal`; `Opened`, `Verdict`); how a stream ends is the project's own
+flood limit and the session's lifetime. Its messages come in as they arrive, each one read when the stream
+calls it (an `Arrival`: the contract's `Open`, `Read` or `Proposal` once read), and its replies go out as
+the contract's dataclasses (`Opened`, `Verdict`); how a stream ends is the project's own
 exceptions (SessionError, Refused, Ended), which the servicer maps to gRPC statuses. No grpc here, so the
 whole of it runs in a unit test over a fake engine.
 """
@@ -59,6 +60,9 @@ class Unknown:
 
 
 Incoming = Open | Read | Proposal | Unknown
+# A message received and not read yet: calling it parses it (raising InvalidRequest for bytes that are no
+# message). The stream may refuse a message that has arrived without paying for its parse.
+Arrival = Callable[[], Incoming]
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ class Verifier:
         self,
         client: str,
         admitted: Callable | None,
-        incoming: AsyncIterable[Incoming],
+        arrivals: AsyncIterable[Arrival],
         write: Callable[[Opened | Verdict], Awaitable],
     ) -> None:
         """Runs one Session stream to its end: an `Open`, then one verdict per proposal (a thin session:
@@ -150,15 +154,17 @@ class Verifier:
         sent = lambda reply: lifetime.sent(write(reply))  # noqa: E731
         session = None
         try:
-            # A client whose opens were refused too often just now: refused before its open is read.
-            self.admission.check_refusals(client, asyncio.get_running_loop().time())
-            async for message in lifetime.messages(incoming):
+            async for arrived in lifetime.messages(arrivals):
                 if session is None:
-                    session = await self._open(key, client, message)
-                    message = None  # a refused open keeps nothing of the request alive
+                    # A client whose opens were refused too often just now: its open is refused once it
+                    # has arrived (a status sent while the edge still writes can reach it as a bare
+                    # INTERNAL from its gRPC library), but before it is read.
+                    self.admission.check_refusals(client, asyncio.get_running_loop().time())
+                    session = await self._open(key, client, arrived())
+                    arrived = None  # a refused open keeps nothing of the request alive
                     await sent(self._opened(key, session))
                 else:
-                    await self._answer(session, message, stale, sent)
+                    await self._answer(session, arrived(), stale, sent)
                 while session.plays_on:  # a thin session's rounds, up to read_ahead past its Read
                     lifetime.check()
                     await sent(await session.play(session.own_proposal()))

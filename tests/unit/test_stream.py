@@ -29,15 +29,15 @@ async def stream(verifier: Verifier, messages, client: str = "c") -> tuple[list,
     """Runs one stream over `messages`; its replies and how it ended (None: the edge half-closed)."""
     replies = []
 
-    async def incoming():
+    async def arrivals():
         for m in messages:
-            yield m
+            yield lambda m=m: m
 
     async def write(reply):
         replies.append(reply)
 
     try:
-        await verifier.run(client, None, incoming(), write)
+        await verifier.run(client, None, arrivals(), write)
     except Exception as e:
         return replies, e
     return replies, None
@@ -92,7 +92,7 @@ def test_admission_refuses_with_a_hint_and_the_drain_with_shut_down():
         hold = asyncio.Event()
 
         async def held():
-            yield opening()
+            yield opening
             await hold.wait()
 
         first = asyncio.create_task(verifier.run("a", None, held(), lambda r: asyncio.sleep(0)))
@@ -114,7 +114,7 @@ def test_an_idle_edge_times_out():
         verifier = Verifier(FakeEngine(), StreamConfig(lifetime=LifetimeConfig(idle_timeout_s=0.1)))
 
         async def silent():
-            yield opening()
+            yield opening
             await asyncio.sleep(10)
 
         try:
