@@ -4,6 +4,7 @@ seeded, over loopback and through a delaying proxy. Runs in CI's edge-only envir
 """
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ def verifier():
         yield server
 
 
+@functools.cache  # one `reference` process per prompt and sampling: the rtt arms share theirs
 def _reference(prompt: tuple[int, ...], params: SamplingParams, new: int = NEW) -> list[int]:
     argv = [VERIFIER, "reference", "--target", str(DEMO / "target"), "--json", "--ignore-eos"]
     argv += ["--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new)]
