@@ -10,6 +10,7 @@ A test's tier is its folder, and its marker comes from there:
   `python -m pytest tests` runs everything.
 """
 
+import importlib.util
 import os
 
 # Nothing in the tests may reach a model hub; fail loudly instead of downloading.
@@ -68,11 +69,20 @@ def tier_of(path) -> str:
 def pytest_configure(config):
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a test in tests/{tier}/ (marked from its folder)")
+    config.addinivalue_line(
+        "markers",
+        "serial: a file CI runs by itself, not beside another (bounds on time, or memory); `.ci/run` runs "
+        "the rest of the thorough tier two files at a time",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item.path))
+    # A fast-tier test that imports torch lazily would pay its import (about 2 s) when its file runs
+    # alone, and fail the limit for it: the import is paid here, once, where the limit does not look.
+    if any(tier_of(item.path) in FAST for item in items) and importlib.util.find_spec("torch"):
+        import torch  # noqa: F401
 
 
 @pytest.hookimpl(wrapper=True)

@@ -23,6 +23,8 @@ from tools.models.pairs import QWEN
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import transformers_greedy
 
+pytestmark = pytest.mark.serial  # the 1.5B target's copies take 6 to 12 GB: not beside another file
+
 NEW = 12
 QUESTIONS = ("Write a Python function that returns the square of a number.", "What is 7 times 8?")
 

@@ -82,6 +82,19 @@ def client_for(url: str, token: str | None, timeout: float = 90):
             time.sleep(1)
 
 
+def submit(client, timeout: float = 90, **job) -> str:
+    """The job's id; while the head's job agent is not up yet (the dashboard answers first: "No available
+    agent to submit job, please try again later", seen on a loaded 2-core machine), tries again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 def wait_for_address(client, job_id: str, timeout: float = 150) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -106,7 +119,7 @@ def test_the_pool_runs_as_a_ray_job_behind_token_authentication(head, test_pair)
         f"draftwire serve --ray --target {test_pair.target_dir} --host 127.0.0.1 --port 0 "
         "--replicas 1 --replica-cpus 0.5 --replica-host 127.0.0.1"
     )
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(ROOT)})
+    job_id = submit(client, entrypoint=entrypoint, runtime_env={"working_dir": str(ROOT)})
     try:
         address = wait_for_address(client, job_id)
         engine = TargetEngine.load(test_pair.target_dir)

@@ -7,10 +7,14 @@ import asyncio
 import statistics
 import time
 
+import pytest
+
 from tests.unit.test_batcher import PositionCostEngine
 from tools.testkit.fakes import FakeEngine
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import Forward
+
+pytestmark = pytest.mark.serial  # bounds on time: not beside another file
 
 
 def test_a_bystanders_round_does_not_wait_behind_other_sessions_prefills():
