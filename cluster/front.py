@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2
 
 from cluster.pool import NoReplica, NoSuchNumerics, Pool
 from cluster.routing import State, soonest
+from draftwire.aio import within
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
 from verifier_service.grpc_kit import (
@@ -136,7 +137,7 @@ class Front:
         messages = aiter(request_iterator)
         idle_s = self.config.lifetime.idle_timeout_s
         try:
-            first = await asyncio.wait_for(anext(messages, None), idle_s)
+            first = await within(anext(messages, None), idle_s)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no open message within {idle_s:g} s")
         if first is None:

@@ -26,6 +26,7 @@ from cluster.config import PoolConfig, ReplicaConfig
 from cluster.replica import ReplicaInfo, VerifierReplica
 from cluster.routing import Autoscaler, RoutingTable, Slot, State
 from draftwire import wire
+from draftwire.aio import within
 from verifier_service.auth import ADMIN_HEADER, CLIENT_HEADER, AuthConfig, Identity, TlsConfig
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ class Pool:
             actor = self._actors.get(name)
             if actor is not None:
                 try:
-                    await asyncio.wait_for(actor.drain.remote(0.0), CUT_TIMEOUT_S)
+                    await within(actor.drain.remote(0.0), CUT_TIMEOUT_S)
                 except Exception as e:  # gone already, or hung: the kill below ends it
                     log.warning("replica %s: no graceful drain (%s)", name, e)
             self._retire(name)
@@ -312,7 +313,7 @@ class Pool:
         if timeout is not None and timeout <= 0:
             return False
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            await within(self._changed.wait(), timeout)
         except TimeoutError:
             return False
         return True

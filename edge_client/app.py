@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from draftwire import wire
+from draftwire.aio import within
 from draftwire.contract import Drafting
 from edge_client import guard as guards
 from edge_client.chat import special_piece
@@ -287,7 +288,7 @@ class EdgeApp:
         """Asks the verifier what it serves and checks the answer; returns its ModelInfo, or None when the
         verifier cannot be reached yet (checked then at the first request). Raises UntrustedVerifier."""
         try:
-            return await asyncio.wait_for(self._info(), timeout_s)
+            return await within(self._info(), timeout_s)
         except (VerifierError, TimeoutError):
             return None
         except ApiError as e:
@@ -362,7 +363,7 @@ class EdgeApp:
                     f"cannot connect to the verifier {self.config.server} ({state.name.lower()})",
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.channel.wait_for_state_change(state), left)
+                await within(self.channel.wait_for_state_change(state), left)
             state = self.channel.get_state(try_to_connect=True)
 
     @contextlib.contextmanager

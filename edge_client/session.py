@@ -19,6 +19,7 @@ from typing import Protocol
 import grpc
 
 from draftwire import wire
+from draftwire.aio import within
 from draftwire.contract import ModelInfo, SamplingParams, TokenLogprob, Verdict
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
@@ -375,7 +376,7 @@ class _Inbox:
         """The next verdict; raises VerifierError UNAVAILABLE when none comes within `timeout_s` (a hung
         verifier: the generation resumes elsewhere)."""
         try:
-            item = await asyncio.wait_for(self._queue.get(), timeout_s)
+            item = await within(self._queue.get(), timeout_s)
         except TimeoutError:
             raise VerifierError(
                 grpc.StatusCode.UNAVAILABLE, f"no verdict from the verifier within {timeout_s:g} s"

@@ -19,6 +19,8 @@ import secrets
 import sys
 from dataclasses import dataclass
 
+from draftwire.aio import within
+
 TIME_LIMIT_S = 2.0  # a chat template renders in milliseconds
 MEMORY_LIMIT = 1 << 30  # address space of the worker process
 MIN_OUTPUT_LIMIT = 1 << 16  # characters: the template's own text on top of the messages'
@@ -147,7 +149,7 @@ class TemplateRenderer:
         if not self._warm:
             with _without_main():  # the worker starts here, and needs nothing of the parent's __main__
                 started = asyncio.get_running_loop().run_in_executor(pool, _started)
-            await asyncio.wait_for(started, 60)
+            await within(started, 60)
             self._warm = True
         return pool
 
@@ -155,7 +157,7 @@ class TemplateRenderer:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(await self._executor(), render_pieces, template, messages, bos, eos)
         try:
-            return await asyncio.wait_for(future, self.time_limit_s)
+            return await within(future, self.time_limit_s)
         except TimeoutError:
             self._kill()
             raise TemplateRefused(

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from draftwire.aio import within
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, Numerics, TargetInfo, bucket
 from verifier_service.engine import Forward, PrefixCacheConfig
 from verifier_service.gamma_cap import GammaCap
@@ -186,7 +187,7 @@ class Batcher:
                 if not batch and not releases:  # prefill held back to ride with the next round
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), ACTIVE_S)
+                        await within(self._wake.wait(), ACTIVE_S)
                     continue
                 try:
                     results = await self.call(self._run_batch, [f for f, _, _ in batch], releases)
@@ -257,7 +258,7 @@ class Batcher:
         while len(self._pending) < wanted and (left := deadline - loop.time()) > 0:
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), left)
+                await within(self._wake.wait(), left)
             except TimeoutError:
                 return
 

@@ -170,6 +170,19 @@ def test_no_product_function_is_longer_than_a_screen():
     assert long == []
 
 
+def test_no_product_code_waits_with_asyncio_wait_for():
+    """Python 3.11's wait_for loses a cancellation that arrives with the result (draftwire/aio.py): the
+    product waits with a limit through `draftwire.aio.within`."""
+    calls = []
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "wait_for":
+                    if isinstance(node.value, ast.Name) and node.value.id == "asyncio":
+                        calls.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert calls == []
+
+
 @pytest.mark.parametrize(
     "path", sorted(p for p in modules() if p.startswith("tools/") and p != "tools/__init__.py")
 )
