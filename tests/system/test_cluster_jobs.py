@@ -54,6 +54,9 @@ def head():
     command = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1"]
     command += ["--port", str(free_port()), "--dashboard-host", "127.0.0.1"]
     command += ["--dashboard-port", str(dashboard), "--num-cpus", "2", "--disable-usage-stats"]
+    # The job agent's HTTP port is 52365 unless given: another Ray on this machine (a test beside this one
+    # in CI) may hold it, and then no job can be submitted ("No available agent to submit job").
+    command += ["--dashboard-agent-listen-port", str(free_port())]
     command += ["--temp-dir", str(temp_dir)]
     with open(temp_dir / "head.log", "w") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
