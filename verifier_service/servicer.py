@@ -25,7 +25,6 @@ from verifier_service.admission import Refused
 from verifier_service.batcher import ServedEngine
 from verifier_service.grpc_kit import (
     RETRY_AFTER,
-    SERVICE,
     STATS_DENIED,
     ServerConfig,
     add_health_and_reflection,
@@ -222,26 +221,25 @@ class VerifierServer:
         await self.server.wait_for_termination()
 
 
+class _Generated:
+    """Takes what the generated registration (add_VerifierServicer_to_server) would register."""
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        pass  # built again below from the same table
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
 def add_to_server(servicer: VerifierServicer, server) -> None:
     """The generated registration, but the Session stream's messages stay bytes until the stream reads
     them (arrivals): a client refused too often is refused once its open has arrived, unparsed."""
-    handlers = {
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo,
-            request_deserializer=pb.ModelInfoRequest.FromString,
-            response_serializer=pb.ModelInfo.SerializeToString,
-        ),
-        "Session": grpc.stream_stream_rpc_method_handler(
-            servicer.Session, response_serializer=pb.VerifierMessage.SerializeToString
-        ),
-        "GetStats": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStats,
-            request_deserializer=pb.StatsRequest.FromString,
-            response_serializer=pb.ServerStats.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    generated = _Generated()
+    pb_grpc.add_VerifierServicer_to_server(servicer, generated)
+    session = generated.handlers["Session"]._replace(request_deserializer=None)
+    handlers = {**generated.handlers, "Session": session}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
+    server.add_registered_method_handlers(generated.service, handlers)
 
 
 async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[VerifierServer, int]:
