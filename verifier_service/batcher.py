@@ -213,21 +213,29 @@ class Batcher:
         self._last_end = now
 
     def _take_batch(self, pending: list) -> tuple[list, list]:
-        """The next batch from `pending`, in arrival order, and what stays pending.
+        """The next batch from `pending`, and what stays pending.
 
-        At most max_batch forwards, one per session, and at most max_prefill_positions prefill
-        positions: a longer prefill contributes its first positions (its future still pending, `whole`
-        False) and its rest stays queued where it was. Rounds are never cut."""
-        batch, keys, left = [], set(), []  # batch: (forward, future, whole)
-        room, timed = self.prefill_room()
-        for forward, future in pending:
-            if future.done():
+        At most max_batch forwards, one per session (its oldest: a session's forwards run in the order
+        they came). Rounds go first, in arrival order, and are never cut; then prefills, the fewest
+        positions left first (a new session's short prompt does not wait for the chunks of a long one),
+        within the room (`prefill_room`). A prefill longer than the room left contributes its first
+        positions (its future still pending, `whole` False), and its rest stays queued."""
+        batch, left = [], []  # batch: (forward, future, whole)
+        heads, later = {}, []  # each session's oldest forward; the others, in arrival order
+        for item in pending:
+            if item[1].done():
                 continue
-            if len(batch) >= self.config.max_batch or forward.key in keys:
+            if item[0].key in heads:
+                later.append(item)
+            else:
+                heads[item[0].key] = item
+        room, timed = self.prefill_room()
+        for forward, future in sorted(heads.values(), key=lambda item: _prefill_last(item[0])):
+            if len(batch) >= self.config.max_batch:
                 left.append((forward, future))
                 continue
             positions = len(forward.token_ids)
-            if room is not None and not forward.wants_logits and positions:
+            if room is not None and _prefill_last(forward)[0]:
                 if room == 0:
                     left.append((forward, future))
                     continue
@@ -235,18 +243,17 @@ class Batcher:
                     head = dataclasses.replace(forward, token_ids=forward.token_ids[:room])
                     rest = Forward(forward.key, forward.keep + room, forward.token_ids[room:], False)
                     batch.append((head, future, False))
-                    keys.add(forward.key)
                     left.append((rest, future))
                     room = 0
                     continue
                 room -= positions
             batch.append((forward, future, True))
-            keys.add(forward.key)
         if timed and not any(f.wants_logits for f, _, _ in batch):
             # While sessions play rounds, prefill rides with their rounds instead of taking passes of
-            # its own: a round arriving behind a prefill-only pass would wait for all of it.
+            # its own: a round arriving behind a prefill-only pass would wait for all of it (on a CPU a
+            # pass of one position costs about what a round does: it reads every weight).
             return [], [(f, fut) for f, fut in pending if not fut.done()]
-        return batch, left
+        return batch, left + later
 
     async def _gather(self) -> None:
         # Sessions answered by the last batch come back after their edge's draft and a round trip;
@@ -303,6 +310,13 @@ class Batcher:
             self.engine.release(key)
             self.stats.last.pop(key, None)
         return results
+
+
+def _prefill_last(forward: Forward) -> tuple[bool, int]:
+    """The order a batch takes sessions' oldest forwards in (sorted is stable: arrival order within a
+    kind): rounds and bare forwards first, then prefills by the positions they have left."""
+    prefill = not forward.wants_logits and bool(forward.token_ids)
+    return prefill, len(forward.token_ids) if prefill else 0
 
 
 def _smooth(old: float | None, new: float, weight: float = 0.5) -> float:

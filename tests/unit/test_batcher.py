@@ -118,3 +118,40 @@ def test_a_long_prefill_runs_in_chunks_and_a_round_queued_behind_it_joins_the_fi
     assert [(f.keep, len(f.token_ids)) for f in chunks] == [(0, 100), (100, 100), (200, 50)]
     assert engine.held["b"] == 250  # the chunks add up to the whole prefill, in order
     assert sorted(f.key for f in engine.batches[1]) == ["a", "b"]  # the round did not wait for the rest
+
+
+def test_a_short_prompt_is_prefilled_before_the_chunks_left_of_a_long_one():
+    """Fewest positions first: a 20-position prompt opened while a 1,000-position one runs in chunks of
+    100 joins the next batch whole, first in the room, instead of waiting for the nine chunks left."""
+
+    async def scenario(batcher):
+        for key in "ls":
+            batcher.join(key)
+        long = asyncio.ensure_future(
+            batcher.forward(Forward("l", 0, tuple(range(1, 1001)), wants_logits=False))
+        )
+        await asyncio.sleep(0)
+        await batcher.forward(Forward("s", 0, tuple(range(1, 21)), wants_logits=False))
+        await long
+
+    _, engine = run(BatchConfig(window_s=0, max_prefill_positions=100), scenario)
+    chunks = [[(f.key, len(f.token_ids)) for f in b] for b in engine.batches]
+    short = next(i for i, b in enumerate(chunks) if ("s", 20) in b)
+    assert short <= 1 and chunks[short] == [("s", 20), ("l", 80)], chunks  # in the first or the next batch
+    assert engine.held == {"l": 1000, "s": 20}
+
+
+def test_a_sessions_forwards_keep_their_order_whatever_their_kind():
+    """A round queued behind its own session's prefill waits for it, though rounds go first."""
+
+    async def scenario(batcher):
+        batcher.join("a")
+        prefill = batcher.forward(Forward("a", 0, tuple(range(1, 151)), wants_logits=False))
+        await asyncio.gather(prefill, batcher.forward(Forward("a", 150, (7,))))
+
+    _, engine = run(BatchConfig(window_s=0, max_prefill_positions=100), scenario)
+    assert [[(f.keep, len(f.token_ids)) for f in b] for b in engine.batches] == [
+        [(0, 100)],
+        [(100, 50)],
+        [(150, 1)],
+    ]

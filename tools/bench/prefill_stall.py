@@ -15,7 +15,9 @@ next opens are refused unread), and each reports its opens per second and their 
 Each arm starts its own `serve` pinned to the verifier's core. A bystander (on the other core) plays
 rounds of 5 draft tokens with a 20 ms pause between them (its draft), first alone, then while `--floods`
 sessions open with prompts of `--prompt-tokens` random ids one after another. Prints the bystander's
-round time alone (median) and under the floods (median, p95, max), and each max's ratio to alone.
+round time alone (median) and under the floods (median, p95, max), and each max's ratio to alone. The
+bystander opens a new session every `--renew` rounds, so that its context, and so its own round's cost,
+stays the same alone and crowded.
 """
 
 from __future__ import annotations
@@ -41,27 +43,42 @@ SMOLLM2 = Path.home() / ".local/share/draftwire/models/smollm2/target"
 
 
 async def bystander_rounds(
-    stub, stop: asyncio.Event, pause_s: float, out: list[float], tokens: list[int] | None = None
+    stub,
+    stop: asyncio.Event,
+    pause_s: float,
+    out: list[float],
+    tokens: list[int] | None = None,
+    renew: int = 50,
+    opens: list[tuple[int, float]] | None = None,
 ) -> None:
     """Plays rounds until `stop`, appending each round's time (request to verdict) to `out`, and the
-    tokens it committed to `tokens`."""
-    call = stub.Session()
+    tokens it committed to `tokens`. Every `renew` rounds it opens a new session with the same 32-token
+    prompt, so that its own rounds cost the same all along (a round's attention grows with its context:
+    over a long flood the same session would reach thousands of positions, and its rounds alone would
+    slow by as much as the flood does); each open's time (request to SessionOpened) goes to `opens`,
+    with the number of rounds played before it."""
     prompt = [random.Random(1).randrange(100, 40000) for _ in range(32)]
-    stop_at = pb.StopConditions(max_new_tokens=8000, ignore_eos=True)  # rounds for a long flood
-    await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt, stop=stop_at)))
-    length = (await call.read()).opened.committed_length
-    round_ = 0
+    stop_at = pb.StopConditions(max_new_tokens=8000, ignore_eos=True)
     while not stop.is_set():
-        round_ += 1
-        start = time.perf_counter()
-        proposal = pb.Proposal(round=round_, start_position=length, draft_token_ids=[100, 101, 102, 103, 104])
-        await call.write(pb.EdgeMessage(proposal=proposal))
-        before, length = length, (await call.read()).verdict.committed_length
-        out.append(time.perf_counter() - start)
-        if tokens is not None:
-            tokens.append(length - before)
-        await asyncio.sleep(pause_s)
-    call.cancel()
+        call, start = stub.Session(), time.perf_counter()
+        await call.write(pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt, stop=stop_at)))
+        length = (await call.read()).opened.committed_length
+        if opens is not None:
+            opens.append((len(out), time.perf_counter() - start))
+        for round_ in range(1, renew + 1):
+            if stop.is_set():
+                break
+            start = time.perf_counter()
+            proposal = pb.Proposal(
+                round=round_, start_position=length, draft_token_ids=[100, 101, 102, 103, 104]
+            )
+            await call.write(pb.EdgeMessage(proposal=proposal))
+            before, length = length, (await call.read()).verdict.committed_length
+            out.append(time.perf_counter() - start)
+            if tokens is not None:
+                tokens.append(length - before)
+            await asyncio.sleep(pause_s)
+        call.cancel()
 
 
 async def flood(stub, tokens: int, seed: int) -> None:
@@ -120,8 +137,9 @@ async def arm(address: str, args) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         await flood(stub, 64, 99)  # warm-up
-        stop, alone, tokens = asyncio.Event(), [], []
-        task = asyncio.create_task(bystander_rounds(stub, stop, args.pause_ms / 1000, alone, tokens))
+        stop, alone, tokens, opens = asyncio.Event(), [], [], []
+        bystander = bystander_rounds(stub, stop, args.pause_ms / 1000, alone, tokens, args.renew, opens)
+        task = asyncio.create_task(bystander)
         await asyncio.sleep(args.alone_s)
         crowded: list[float] = []
         mark = len(alone)
@@ -145,6 +163,8 @@ async def arm(address: str, args) -> dict:
         stop.set()
         await task
         alone = alone[2:mark]
+    opens_alone = [seconds for rounds, seconds in opens[1:] if rounds <= mark]
+    opens_crowded = [seconds for rounds, seconds in opens if rounds > mark]
     base = statistics.median(alone)
     crowded.sort()
     return {
@@ -155,6 +175,9 @@ async def arm(address: str, args) -> dict:
         "max_over_alone": round(crowded[-1] / base, 2),
         "p95_over_alone": round(crowded[int(0.95 * (len(crowded) - 1))] / base, 2),
         "rounds_crowded": len(crowded),
+        "open_alone_ms": round(1000 * statistics.median(opens_alone), 1) if opens_alone else None,
+        "opens_crowded": len(opens_crowded),
+        "open_crowded_max_ms": round(1000 * max(opens_crowded), 1) if opens_crowded else None,
         "floods_s": round(prefill_s, 1),
         "flood_tokens": after.generated_tokens - before.generated_tokens - bystander_tokens,
         "engine_s": round(after.engine_seconds - before.engine_seconds, 1),
@@ -173,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floods", type=int, default=2)
     p.add_argument("--pause-ms", type=float, default=20.0)
     p.add_argument("--alone-s", type=float, default=5.0)
+    p.add_argument("--renew", type=int, default=50, help="the bystander's rounds a session")
     p.add_argument("--shares", default="0.5,0", help="the --prefill-share of each arm")
     p.add_argument("--verifier-cpu", type=int, default=1)
     p.add_argument("--thin", type=int, default=0, help="flood with this many unread thin sessions instead")
