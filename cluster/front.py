@@ -62,6 +62,7 @@ _SUMMED = (
     "accepted_tokens",
     "stale_proposals",
     "thin_sessions",
+    "plain_steps",
 )
 _SUMMED_LISTS = ("accepted_per_position", "batch_seconds_counts", "batch_size_counts")
 

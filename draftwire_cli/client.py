@@ -94,10 +94,21 @@ def generate(args) -> int:
             file=sys.stderr,
         )
         return 1
+    _notes(args, stats, tokens, stops)
+    return 0
+
+
+def _notes(args, stats, tokens: list[int], stops: set[int]) -> None:
+    """What the user should know of a generation that succeeded, on stderr."""
+    if stats.plain_steps:  # speculation did not pay for part of it (edge_client.adaptive)
+        print(
+            f"draftwire: {stats.plain_steps} of {stats.rounds} rounds ran without speculation; "
+            f"{stats.speculation_reason or 'speculation ' + stats.speculation}",
+            file=sys.stderr,
+        )
     if not args.ignore_eos and all(t in stops for t in tokens):  # nothing but an end-of-sequence
         hint = "" if args.chat else "; an instruct model may need --chat (its chat template)"
         print(f"draftwire: the target ended at once: no tokens generated{hint}", file=sys.stderr)
-    return 0
 
 
 async def _chat_turn(session, tokenizer, text: str) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ def figures(now: pb.ServerStats, before: pb.ServerStats | None, seconds: float) 
         "kept_caches": now.kept_caches,
         "cache_mib": now.cache_bytes / (1 << 20),
         "stale_proposals": now.stale_proposals,
+        "plain_steps": now.plain_steps,
         "refusals": dict(now.refusals),
     }
 
@@ -62,7 +63,8 @@ def render(address: str, f: dict) -> str:
             f"target positions/token {f['target_positions_per_token']:>5.2f}   γ cap {f['gamma_cap']:>3}",
             f"prefill    computed {f['prefill_computed']:>8}   reused {f['prefill_reused']:>8}   "
             f"kept caches {f['kept_caches']:>4}   KV {f['cache_mib']:>8.1f} MiB",
-            f"stale {f['stale_proposals']:>8}   refusals {refusals}",
+            f"stale {f['stale_proposals']:>8}   plain steps (speculation off) {f['plain_steps']:>8}   "
+            f"refusals {refusals}",
         ]
     )
 

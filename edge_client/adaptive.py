@@ -34,6 +34,19 @@ The model is tested against the planner itself on a virtual clock (tools/testkit
 
 Hysteresis: nothing moves before `warmup` verified rounds, nor within `dwell` rounds of the last move;
 a move needs `margin` more predicted tokens/s than staying, and γ moves by at most `max_step`.
+
+Speculation that does not pay (γ = 0, "off"): a proposal of no draft token is a plain step, the target's
+next token, at 1 / (R + V(1)) tokens/s with no drafting. When adaptive γ is allowed to (`plain`), the
+tuner turns speculation off once plain steps promise `off_margin` more than the best speculative
+setting anywhere on the grid (a wider margin than a move's: where speculation barely pays or loses,
+estimates that swing would turn it off and on for nothing), judged on at least `off_window`
+speculative rounds since the last move (the acceptance a collapse is read from decays over about
+1 / acceptance_smoothing rounds). Plain steps judge no draft position, and the counts decay as in any
+round, so while off the estimate fades back towards the prior; after `probe_after` plain steps the
+tuner probes: `dwell` rounds at the γ the model likes best, unpipelined, then decides again as above,
+on what the probe saw more than on what turned speculation off. A probe that finds speculation
+still losing doubles the wait for the next (up to `max_probe_after`); one that finds it paying keeps
+it on. Every change of state says why (`reason`).
 """
 
 from __future__ import annotations
@@ -61,6 +74,11 @@ class TunerConfig:
     initial: tuple[int, int] = (4, 2)  # (γ, depth) until there is something to go on
     fixed_share_draft: float = 0.1  # share of a drafter call not growing with its tokens, until fitted
     fixed_share_verify: float = 0.5  # share of a forward not growing with its positions, until fitted
+    plain: bool = True  # adaptive γ may turn speculation off (plain steps) where it does not pay
+    off_window: int = 16  # speculative rounds since the last move before speculation may turn off
+    off_margin: float = 0.1  # plain steps must promise this share more than the best speculative setting
+    probe_after: int = 16  # plain steps before the first probe; doubled after each failed probe
+    max_probe_after: int = 256
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,11 @@ class Estimates:
 
 
 def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
-    """The model's committed tokens per second at (γ, depth) (see the module's docstring)."""
+    """The model's committed tokens per second at (γ, depth) (see the module's docstring); γ 0 is a
+    plain step (no drafting, nothing to pipeline)."""
+    if gamma == 0:
+        step = est.rtt_s + est.verify(0)
+        return 1 / step if step > 0 else float("inf")
     tokens = expected_tokens(est.acceptance, gamma)
     verify = est.verify(gamma)
     fresh = est.draft(gamma) + est.rtt_s + verify
@@ -142,6 +164,10 @@ class Tuner:
     choice: tuple[int, int] = (0, 0)  # current (γ, depth); set from config.initial
     moves: int = 0  # times the choice changed
     rtt_s: float | None = None
+    plain_steps: int = 0  # verified rounds of no draft token (speculation off, γ 0)
+    offs: int = 0  # times speculation turned off
+    probes: int = 0  # probes begun while off
+    reason: str = ""  # why the last change of state: speculation off, probing, on again
 
     def __post_init__(self) -> None:
         c = self.config
@@ -151,16 +177,30 @@ class Tuner:
         self.draft = CostLine(c.smoothing, c.fixed_share_draft)
         self.verify = CostLine(c.smoothing, c.fixed_share_verify)
         self._last_move = 0
+        self._probe_after = self.config.probe_after
+        self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        """ "on", "off" (plain steps) or "probing" (speculating again for a few rounds, to see)."""
+        return "probing" if self._probing else ("off" if self.choice[0] == 0 else "on")
 
     # --- what is measured ---
 
     def observe_verdict(self, draft_tokens: int, accepted: int, cut: bool) -> None:
         """A verified round of `draft_tokens` of which the first `accepted` were accepted; `cut`: the
-        round ended by a finish, so the position after the accepted ones was not judged."""
+        round ended by a finish, so the position after the accepted ones was not judged. A plain step
+        (no draft token) judges nothing."""
+        self.rounds += 1
+        if draft_tokens == 0:
+            self.plain_steps += 1
+            self._plain_since += 1
+            self._acceptance.round(0, 0)  # judges nothing; the counts decay as every round's do
+            return
         # Every position's counts decay each round, judged or not: what a position not reached lately
         # (γ moved below it) once showed fades, and it borrows the pooled rate again.
         self._acceptance.round(draft_tokens, accepted, cut)
-        self.rounds += 1
 
     def observe_guess(self, draft_tokens: int, right: bool) -> None:
         """A proposal of `draft_tokens` all accepted, and its pipelined successor's guess of the bonus
@@ -203,11 +243,18 @@ class Tuner:
         self, gamma: int | None = None, depth: int | None = None, max_gamma: int = 0
     ) -> tuple[int, int]:
         """The (γ, depth) to use now; `gamma` or `depth` given fixes that one and the other is tuned.
-        `max_gamma`: the verifier's cap (0: none). Moves the current choice only as the hysteresis allows."""
+        `max_gamma`: the verifier's cap (0: none). Moves the current choice only as the hysteresis allows;
+        with γ tuned (and `plain`), turns speculation off and probes it as the module's docstring says."""
         c = self.config
         top = min(c.max_gamma, max_gamma) if max_gamma else c.max_gamma
+        plain = c.plain and not gamma
+        if not plain and self.choice[0] == 0:  # a fixed γ, or plain steps not allowed: speculate
+            self.choice = (1, self.choice[1])
         gammas = range(gamma, gamma + 1) if gamma else range(1, top + 1)
         depths = range(depth, depth + 1) if depth is not None else range(0, c.max_depth + 1)
+        if self.choice[0] == 0:
+            self.choice = self._probe(gammas, depths[0]) if self._plain_since >= self._probe_after else (0, 0)
+            return self.choice
         current = (
             min(max(self.choice[0], gammas[0]), gammas[-1]),
             min(max(self.choice[1], depths[0]), depths[-1]),
@@ -215,6 +262,12 @@ class Tuner:
         ready = self.rounds >= c.warmup and self.draft.seen and self.rtt_s is not None
         if ready and self.rounds - self._last_move >= c.dwell:
             est = self.estimates()
+            if plain and self._off(est, gammas, depths, current):
+                self.choice = (0, 0)
+                return self.choice
+            if self._probing:  # the probe found speculation paying: on again
+                self._probing, self._probe_after = False, c.probe_after
+                self.reason = "speculation on: a probe found it paying"
             step = range(
                 max(gammas[0], current[0] - c.max_step), min(gammas[-1], current[0] + c.max_step) + 1
             )
@@ -227,3 +280,40 @@ class Tuner:
                 self.moves += 1
         self.choice = current
         return current
+
+    def _off(self, est: Estimates, gammas: range, depths: range, current: tuple[int, int]) -> bool:
+        """Whether to turn speculation off now: plain steps promise `off_margin` more tokens/s than the best
+        speculative setting on the whole grid, after at least `off_window` rounds since the last move
+        (a probe's rounds are enough to turn it off again). Says why in `reason`."""
+        c = self.config
+        if not self._probing and self.rounds - self._last_move < c.off_window:
+            return False
+        plain = tokens_per_second(est, 0, 0)
+        if plain <= (1 + c.off_margin) * tokens_per_second(est, *current):
+            return False  # the current setting pays: one evaluation instead of the whole grid's
+        best = best_setting(est, gammas, depths)
+        speculative = tokens_per_second(est, *best)
+        if plain <= (1 + c.off_margin) * speculative:
+            return False
+        if self._probing:
+            self._probe_after = min(2 * self._probe_after, c.max_probe_after)
+        self._probing, self._plain_since = False, 0
+        self._last_move = self.rounds
+        self.offs += 1
+        self.moves += 1
+        self.reason = (
+            f"speculation off: plain steps promise {plain:.2f} tokens/s, the best speculative setting "
+            f"(γ {best[0]}, depth {best[1]}) {speculative:.2f} at acceptance {est.acceptance[0]:.2f}"
+        )
+        return True
+
+    def _probe(self, gammas: range, depth: int) -> tuple[int, int]:
+        """Speculation again for `dwell` rounds, at the γ the model likes best and the shallowest depth
+        allowed (unpipelined unless the request fixed a depth)."""
+        self._probing, self._plain_since = True, 0
+        self._last_move = self.rounds
+        self.probes += 1
+        self.moves += 1
+        gamma, _ = best_setting(self.estimates(), gammas, range(depth, depth + 1))
+        self.reason = f"probing speculation at γ {gamma} after {self._probe_after} plain steps"
+        return gamma, depth

@@ -70,6 +70,14 @@ class GenerationStats:
     rounds: int = 0  # verdicts that verified something
     stale_rounds: int = 0  # pipelined proposals that came back stale
     sent_ahead: int = 0  # proposals sent before the verdict of the one before them
+    plain_steps: int = 0  # verified rounds of no draft token: speculation off (edge_client.adaptive)
+    speculation: str = "on"  # the tuner's state when the generation ended: on, off or probing
+    speculation_reason: str = ""  # why it last changed (empty: it never did)
+    step_s: float = 0.0  # the target's one-step time: its forward over one position, from the verdicts
+    drafts: int = 0  # drafter calls (a proposal each, sent or refuted before it left)
+    # Drafts begun with no live proposal in flight: the verifier has nothing of this session's to
+    # verify meanwhile. Every draft unpipelined; pipelined, the first and each after a miss.
+    restarts: int = 0
     draft_tokens: int = 0  # proposed in verified rounds
     accepted_tokens: int = 0  # proposed and accepted
     generated_tokens: int = 0  # committed by verdicts (accepted plus target tokens)
@@ -96,12 +104,25 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.generated_tokens / self.rounds if self.rounds else 0.0
 
+    @property
+    def speculation_gain(self) -> float:
+        """Tokens/s after the first token over the target alone's at its one-step time (0: unknown):
+        below 1, this request would have been faster without speculation."""
+        after_first = self.wall_s - (self.first_token_s or 0.0)
+        if not self.step_s or after_first <= 0 or self.generated_tokens < 2:
+            return 0.0
+        return (self.generated_tokens - 1) / after_first * self.step_s
+
     def as_json(self) -> dict:
         """The figures `generate --json` and `reference --json` print."""
         return {
             "rounds": self.rounds,
             "stale_rounds": self.stale_rounds,
             "sent_ahead": self.sent_ahead,
+            "plain_steps": self.plain_steps,
+            "speculation_gain": self.speculation_gain,
+            "speculation": self.speculation,
+            "speculation_reason": self.speculation_reason,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
@@ -186,7 +207,10 @@ class Planner:
         chosen, depth = self.setting()
         if not live:
             gamma = self._gamma(len(self.committed), chosen)
-            return DraftJob(list(self.committed), gamma, False) if gamma else None
+            if gamma is None:
+                return None
+            self.stats.restarts += gamma > 0
+            return DraftJob(list(self.committed), gamma, False)  # γ 0: a plain step, nothing to draft
         last = live[-1]
         base = [*last.prefix, *last.draft]
         if len(live) > depth or last.final or self._blocked == len(base):
@@ -198,7 +222,9 @@ class Planner:
         """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""
         if not self.request.adaptive:
             return self.request.gamma, self.request.pipeline
-        return self.tuner.choose(self.request.gamma, self.request.pipeline, self.max_gamma)
+        chosen = self.tuner.choose(self.request.gamma, self.request.pipeline, self.max_gamma)
+        self.stats.speculation, self.stats.speculation_reason = self.tuner.state, self.tuner.reason
+        return chosen
 
     def add_draft(self, job: DraftJob, tokens: list[int], seconds: float | None = None) -> None:
         """Takes the drafter's tokens for `job`; a guess that is a stop token is not sent (nothing
@@ -207,9 +233,14 @@ class Planner:
         `seconds`: how long the drafter took, for the tuner; the first call is not counted, as it also
         fed the drafter the prompt (or a resume's committed tokens), a prefill that would teach the tuner
         that drafts cost the same whatever their length."""
+        if job.gamma == 0:  # a plain step: the drafter's next call catches up on what it did not see
+            self._first_draft = True
+            self.drafted = InFlight(list(job.base), [], [], self._final(job.base, []))
+            return
         if seconds is not None and not self._first_draft:
             self.tuner.observe_draft(len(tokens), seconds)
         self._first_draft = False
+        self.stats.drafts += 1
         assumed, draft = (tokens[:1], tokens[1:]) if job.assumes else ([], tokens)
         if not draft or any(t in self.stops for t in assumed):
             self._blocked = len(job.base)
@@ -252,6 +283,8 @@ class Planner:
         check_logprobs(verdict, len(new), self.request.top_logprobs, self.vocab_size)
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
         self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
+        if self.tuner.verify.seen:
+            self.stats.step_s = sum(self.tuner.verify.line())  # V(1): fixed + one position
         if arrived is not None and sent.sent_s is not None:
             self.stats.round_s.append(arrived - sent.sent_s)
             self.tuner.observe_round(self.stats.round_s[-1], verdict.verify_seconds, sent.queued)
@@ -262,6 +295,7 @@ class Planner:
                 self.tuner.observe_guess(len(sent.draft), after.assumed[-1] == bonus)
         self.committed += new
         self.stats.rounds += 1
+        self.stats.plain_steps += not sent.draft
         self.stats.draft_tokens += len(sent.draft)
         self.stats.accepted_tokens += verdict.accepted
         self.stats.generated_tokens += len(new)
@@ -276,10 +310,14 @@ class Planner:
         generated = len(prefix) - self._prompt_length
         return generated + len(draft) + 1 >= self.budget or any(t in self.stops for t in draft)
 
-    def _gamma(self, length: int, chosen: int) -> int:
+    def _gamma(self, length: int, chosen: int) -> int | None:
+        """Draft tokens for a proposal starting at `length`: None once the budget is spent, 0 for a
+        plain step (chosen 0)."""
         left = self.budget - (length - self._prompt_length)
+        if left <= 0:
+            return None
         # The last round may propose more than the budget leaves: the verifier drops the excess.
-        return max(1, min(chosen, left - 1, self.max_gamma)) if left > 0 else 0
+        return 0 if chosen == 0 else max(1, min(chosen, left - 1, self.max_gamma))
 
 
 def check_logprobs(verdict: Verdict, committed: int, top_logprobs: int | None, vocab_size: int) -> None:

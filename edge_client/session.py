@@ -288,6 +288,8 @@ class EdgeSession:
     async def _draft(
         self, job: DraftJob, request: GenerationRequest, stops: Collection[int], stats: GenerationStats
     ) -> list[int]:
+        if job.gamma == 0:  # a plain step: speculation is off (edge_client.adaptive)
+            return []
         params = request.sampling
         start = time.perf_counter()
         try:

@@ -100,7 +100,6 @@ CASES = [
         "out of order",
         id="repeat",
     ),
-    pytest.param(lambda i: [open_msg(i), proposal(1, START, [])], INVALID, "gamma 0", id="gamma 0"),
     pytest.param(
         lambda i: [open_msg(i), proposal(1, START, [1] * 9)], INVALID, "gamma 9", id="gamma over max"
     ),

@@ -144,6 +144,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             accepted_per_position=s.accepted_per_position,
             stale_proposals=s.stale_proposals,
             thin_sessions=s.thin_sessions,
+            plain_steps=s.plain_steps,
             refusals=self.refusals,
             batch_seconds_counts=b.seconds_counts,
             batch_size_counts=b.size_counts,

@@ -60,7 +60,9 @@ class Round:
 @dataclass(frozen=True)
 class VerifierLimits:
     max_gamma: int = 16  # most draft tokens per proposal
-    min_gamma: int = 1  # the reference decoder runs rounds of 0 draft tokens
+    # A proposal of no draft token is a plain step (the target's next token): the edge's fallback where
+    # speculation does not pay (edge_client.adaptive), and the thin sessions' and reference's rounds.
+    min_gamma: int = 0
     max_stop_token_ids: int = 256  # stop ids an open may name (every other repeated field is bounded too)
     # A thin session is decoded at most this many tokens (plus one round) past what its edge has read
     # (its last Read): one whose edge reads nothing costs the engine a bounded share, then waits.
@@ -85,6 +87,7 @@ class VerifierStats:
     )  # [i]: proposals whose draft i was accepted
     stale_proposals: int = 0
     thin_sessions: int = 0  # sessions the verifier decoded itself
+    plain_steps: int = 0  # edge sessions' verified rounds of no draft token (speculation off)
 
     @property
     def target_positions_per_token(self) -> float:
@@ -108,8 +111,6 @@ class VerifierSession:
     ):
         """Validates the spec; raises InvalidRequest or WrongState. `open` also prefills. `owner`: the
         client the session belongs to; it starts only from caches its owner's sessions left."""
-        if spec.thin:  # the verifier's own rounds may carry no draft token
-            limits = dataclasses.replace(limits, min_gamma=0)
         self.batcher, self.spec, self.limits = batcher, spec, limits
         self.stats = stats if stats is not None else VerifierStats()
         self.key = key or f"s{next(_keys)}"
@@ -319,6 +320,7 @@ class VerifierSession:
         stats.rounds += 1
         stats.round_positions += positions
         stats.generated_tokens += len(self.committed) - length
+        stats.plain_steps += not begun.draft and not self.spec.thin
         if begun.draft:
             stats.drafts += 1
             stats.draft_tokens += len(begun.draft)
@@ -379,7 +381,7 @@ async def decode_alone(
     """The target alone, one token per round of no draft tokens, through the same batcher, engine and
     rules as speculative sessions. Returns the generated ids; `logprobs`, when given, receives theirs
     (spec.top_logprobs set). Raises what VerifierSession raises."""
-    session = await VerifierSession.open(batcher, spec, VerifierLimits(min_gamma=0, max_gamma=0))
+    session = await VerifierSession.open(batcher, spec, VerifierLimits(max_gamma=0))
     try:
         while session.finish is None:
             verdict = await session.play(Proposal(session.last_round + 1, len(session.committed), ()))

@@ -229,7 +229,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics", "plain_steps")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class ServerStats(_message.Message):
     THIN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_CAP_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -285,4 +286,5 @@ class ServerStats(_message.Message):
     thin_sessions: int
     gamma_cap: int
     numerics: _containers.RepeatedCompositeFieldContainer[Numerics]
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ..., plain_steps: _Optional[int] = ...) -> None: ...

@@ -201,8 +201,13 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
             "wall_s",
             "gamma_cap",
             "min_gamma_cap",
+            "plain_steps",
+            "speculation_gain",
+            "speculation",
+            "speculation_reason",
         }
-        assert spec["stats"]["tokens_per_round"] > 1.0
+        assert spec["stats"]["tokens_per_round"] > 1.0 and spec["stats"]["speculation"] == "on"
+        assert spec["stats"]["speculation_gain"] > 0  # against the target's one-step time
         assert 1 <= spec["stats"]["min_gamma_cap"] <= spec["stats"]["gamma_cap"] <= 8  # serve --max-gamma 8
         assert spec["text"] == ref["text"]
 

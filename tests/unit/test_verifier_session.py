@@ -139,7 +139,6 @@ def test_a_proposal_assuming_the_committed_tokens_is_verified():
         pytest.param(
             SessionSpec(PROMPT), (Proposal(2, 3, (1,)),), InvalidRequest, "out of order", id="round"
         ),
-        pytest.param(SessionSpec(PROMPT), (Proposal(1, 3, ()),), InvalidRequest, "gamma 0", id="gamma 0"),
         pytest.param(
             SessionSpec(PROMPT), (Proposal(1, 3, (1,) * 9),), InvalidRequest, "gamma 9", id="gamma big"
         ),

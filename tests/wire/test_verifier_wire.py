@@ -111,6 +111,25 @@ def test_committed_tokens_survive_a_refused_proposal_and_the_session_resumes(ser
     assert v.accepted == len(rest) - 1 and v.finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_a_proposal_of_no_draft_token_is_a_plain_step(server, info):
+    """Speculation off (edge_client.adaptive): a drafting edge's proposals of no draft token each commit
+    the target's next token, and GetStats counts them as plain steps."""
+
+    def plain_steps() -> int:
+        with grpc.insecure_channel(server.address) as channel:
+            return pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest()).plain_steps
+
+    expected = continuation(PROMPT, 3)
+    before = plain_steps()
+    messages = [open_msg(info, max_new=3), *(proposal(k + 1, START + k, []) for k in range(3))]
+    replies, error = asyncio.run(exchange(server.address, messages))
+    assert error is None
+    verdicts = [r.verdict for r in replies if r.WhichOneof("kind") == "verdict"]
+    assert [(v.accepted, v.target_token_id) for v in verdicts] == [(0, t) for t in expected]
+    assert verdicts[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert plain_steps() == before + 3
+
+
 def test_the_global_cap_refuses_with_a_retry_hint_and_a_release_makes_room():
     async def run(address):
         async with grpc.aio.insecure_channel(address) as channel:

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import grpc
 
+from edge_client.adaptive import Tuner
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.arms import BenchConfig, Row, params_for, route
-from tools.bench.speed import RowRun
+from tools.bench.speed import RowRun, add_bound
 from tools.rig import devices
 
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
@@ -48,11 +49,11 @@ async def run_all(config: BenchConfig, log=print) -> dict:
             async with route(host, int(port), rtt) as address:
                 for mode in reference:
                     log(f"{rtt:g} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings")
-                    rows += await _interleaved(config, drafter, address, server.address, mode, rtt, settings)
+                    rows += await interleaved(config, drafter, address, server.address, mode, rtt, settings)
     return summarize(config, reference, rows)
 
 
-async def _interleaved(config, drafter, address, upstream, mode, rtt, settings) -> list[Row]:
+async def interleaved(config, drafter, address, upstream, mode, rtt, settings, tuners=None) -> list[Row]:
     """One point's rows, taking turns prompt by prompt: each setting keeps its own edge session (the
     adaptive one its tuner) across the prompts, and the order rotates from prompt to prompt, so a burst
     of load falls on every setting alike and none always runs first.
@@ -60,12 +61,17 @@ async def _interleaved(config, drafter, address, upstream, mode, rtt, settings) 
     Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache and the
     verifier's prefix cache. Without it the turn's first row paid both prefills (about 200 ms of
     llama.cpp on one core for a 40-token chat prompt) and every later row reused them: the first row of
-    the first prompt, the adaptive one, paid them at every point."""
+    the first prompt, the adaptive one, paid them at every point.
+
+    `tuners`: a TunerConfig per setting (None: the default tuner's)."""
     async with contextlib.AsyncExitStack() as stack:
         runs = [
             await stack.enter_async_context(RowRun(config, drafter, address, upstream, mode, g, rtt, d))
             for g, d in settings
         ]
+        for run, tuner in zip(runs, tuners or [None] * len(runs), strict=True):
+            if tuner is not None:
+                run.session.tuner = Tuner(tuner)
         warm = EdgeSession(await stack.enter_async_context(grpc.aio.insecure_channel(upstream)), drafter)
         for i in range(len(config.prompts)):
             prefill = GenerationRequest(config.prompts[i], params_for(mode, config, i), 1, 1, pipeline=0)
@@ -76,6 +82,7 @@ async def _interleaved(config, drafter, address, upstream, mode, rtt, settings) 
         rows = [run.row() for run in runs]
     for row, (_, depth) in zip(rows, settings, strict=True):
         row.pipeline = -1 if depth is None else depth  # -1: the adaptive row
+        add_bound(row)
     return rows
 
 
@@ -97,6 +104,7 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
                     "adaptive_tokens_per_s": adaptive.tokens_per_s,
                     "adaptive_label": adaptive.label,
                     "adaptive_acceptance": adaptive.acceptance,
+                    "adaptive_of_bound": adaptive.share_of_bound,
                     "best_fixed": [best.gamma, best.pipeline],
                     "best_fixed_tokens_per_s": best.tokens_per_s,
                     "of_best": adaptive.tokens_per_s / best.tokens_per_s,
@@ -177,27 +185,30 @@ def markdown(report: dict) -> str:
         f" (best fixed {o['best_fixed_by_sum']}), by geometric mean "
         f"{'yes' if o['beats_every_fixed_by_geomean'] else 'no'} (best fixed {o['best_fixed_by_geomean']})",
     ]
-    lines += ["", *model_check(report["rows"])]
+    lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
+    lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
     bad = [k for k, ok in report["exact"].items() if not ok]
     lines.append("every output equals the target alone's" if not bad else f"outputs differing: {bad}")
     return "\n".join(lines)
 
 
-def model_check(rows: list[dict]) -> list[str]:
-    """Measured tokens/s over the tuner's prediction for each row's setting (the tuner learns from fixed
-    rows too), a column per setting: where the model is off, and whether it is off alike everywhere."""
-    rows = [r for r in rows if r.get("model_tokens_per_s")]
+MODEL_CHECK = "Model check: measured tokens/s over the tuner's prediction for the row's (last) setting"
+BOUND_CHECK = (
+    "Bound check: measured tokens/s over the zero-overhead bound of the row's own measured drafting, "
+    "verification and restarts (tools.bench.speed.zero_overhead_bound)"
+)
+
+
+def ratio_table(rows: list[dict], key: str, title: str) -> list[str]:
+    """Measured tokens/s over each row's figure `key` (the tuner's prediction for its setting, the tuner
+    learning from fixed rows too; or its bound), a column per setting: where the figure is off, and
+    whether it is off alike everywhere."""
+    rows = [r for r in rows if r.get(key)]
     if not rows:
         return []
     settings = sorted({(r["gamma"], r["pipeline"]) for r in rows if r["pipeline"] >= 0})
     head = ["RTT ms", "mode", "adaptive", *(f"{g},{d}" for g, d in settings)]
-    lines = [
-        "Model check: measured tokens/s over the tuner's prediction for the row's (last) setting "
-        "(γ,depth columns).",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    lines = [f"{title} (γ,depth columns).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rtt, mode in dict.fromkeys((r["rtt_ms"], r["mode"]) for r in rows):
         here = {
             (r["gamma"], r["pipeline"]) if r["pipeline"] >= 0 else "a": r
@@ -205,8 +216,7 @@ def model_check(rows: list[dict]) -> list[str]:
             if r["rtt_ms"] == rtt and r["mode"] == mode
         }
         cells = [
-            f"{here[k]['tokens_per_s'] / here[k]['model_tokens_per_s']:.2f}" if k in here else ""
-            for k in ["a", *settings]
+            f"{here[k]['tokens_per_s'] / here[k][key]:.2f}" if k in here else "" for k in ["a", *settings]
         ]
         lines.append(f"| {rtt:g} | {mode} | " + " | ".join(cells) + " |")
     return lines

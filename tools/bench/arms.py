@@ -93,6 +93,12 @@ class Row:
     verify_ms_per_round: float | None = None
     wire_ms_per_round: float | None = None  # send-to-verdict time not spent verifying
     stale_per_round: float | None = None  # pipelined proposals that came back stale, per verified round
+    drafts_per_round: float | None = None  # drafter calls per verified round (GenerationStats.drafts)
+    restarts_per_round: float | None = None  # drafts with nothing live in flight (GenerationStats.restarts)
+    plain_steps: int = 0  # rounds of no draft token: speculation off (edge_client.adaptive)
+    speculation_offs: int = 0  # times the row's tuner turned speculation off, and probed it
+    probes: int = 0
+    speculation_reason: str = ""  # the tuner's last reason
     model_tokens_per_s: float | None = None  # what the edge's tuner predicted for the row's (final) setting
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     bound_tokens_per_s: float | None = None  # zero_overhead_bound

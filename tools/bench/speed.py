@@ -38,13 +38,34 @@ def expected_tokens_per_round(acceptance: float, gamma: int) -> float:
 
 
 def zero_overhead_bound(row: Row) -> float | None:
-    """Tokens/s if a round cost only its drafting and its verification, as measured: one after the other
-    without pipelining, overlapped (the slower of the two) with it. No wire, no Python around them."""
+    """Tokens/s if a round cost only its drafting and its verification, as measured: no wire, no Python
+    around them. A draft begun with nothing live in flight (a restart: every draft unpipelined, and
+    pipelined the first and each after a miss) and its verification run one after the other; a draft
+    made while an earlier proposal is verified overlaps it, and the slower of the two sets the pace:
+
+        round = (1 - r) · max(d, v) + r · (d + v)
+
+    with r the restarts per verified round (at most 1), d the drafting per drafter call and v the
+    verification per round. Unpipelined r = 1, and a round is d + v."""
     if not row.tokens_per_round or row.draft_ms_per_round is None or row.verify_ms_per_round is None:
         return None
-    draft, verify = row.draft_ms_per_round, row.verify_ms_per_round
-    round_ms = max(draft, verify) if row.pipeline else draft + verify
+    verify = row.verify_ms_per_round
+    if row.pipeline == 0:
+        restarts, draft = 1.0, row.draft_ms_per_round
+    elif row.restarts_per_round is None or not row.drafts_per_round:
+        return None  # a row measured before drafts and restarts were counted
+    else:
+        restarts = min(1.0, row.restarts_per_round)
+        draft = row.draft_ms_per_round / row.drafts_per_round
+    round_ms = (1 - restarts) * max(draft, verify) + restarts * (draft + verify)
     return 1000 * row.tokens_per_round / round_ms if round_ms > 0 else None
+
+
+def add_bound(row: Row) -> None:
+    """Sets the row's zero-overhead bound and the share of it the row reached."""
+    row.bound_tokens_per_s = zero_overhead_bound(row)
+    if row.bound_tokens_per_s:
+        row.share_of_bound = row.tokens_per_s / row.bound_tokens_per_s
 
 
 async def run_draftwire(
@@ -125,7 +146,8 @@ class RowRun:
         rounds = sum(s.rounds for s in all_stats)
         row.tokens = sum(map(len, row.outputs))
         row.wall_s = sum(s.wall_s for s in all_stats)
-        row.acceptance = sum(s.accepted_tokens for s in all_stats) / sum(s.draft_tokens for s in all_stats)
+        drafted = sum(s.draft_tokens for s in all_stats)
+        row.acceptance = sum(s.accepted_tokens for s in all_stats) / drafted if drafted else None
         row.tokens_per_round = row.tokens / rounds
         row.expected_tokens_per_round = expected_tokens_per_round(row.acceptance, gamma) if gamma else None
         row.target_positions_per_token = self._positions / row.tokens
@@ -136,6 +158,10 @@ class RowRun:
         row.verify_ms_per_round = 1000 * self._engine_s / rounds
         row.wire_ms_per_round = statistics.fmean(round_ms) - row.verify_ms_per_round
         row.stale_per_round = sum(s.stale_rounds for s in all_stats) / rounds
+        row.drafts_per_round = sum(s.drafts for s in all_stats) / rounds
+        row.restarts_per_round = sum(s.restarts for s in all_stats) / rounds
+        row.plain_steps = sum(s.plain_steps for s in all_stats)
+        row.speculation_offs, row.probes, row.speculation_reason = tuner.offs, tuner.probes, tuner.reason
         return row
 
 
@@ -172,9 +198,7 @@ async def run_all(config: BenchConfig, log=print) -> dict:
                         )
     for row in rows:
         row.speedup = row.tokens_per_s / reference[row.mode].tokens_per_s
-        row.bound_tokens_per_s = zero_overhead_bound(row)
-        if row.bound_tokens_per_s:
-            row.share_of_bound = row.tokens_per_s / row.bound_tokens_per_s
+        add_bound(row)
     # draftwire's arms must equal the target alone; transformers' arms (b) run its plain kernels, which
     # agree only up to numerics (bit for bit in float32 on most prompts, not in bfloat16), so they are
     # reported, not required.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftwire.contract import ModelInfo, Verdict
@@ -34,7 +35,7 @@ class Costs:
 
 def tokens_per_second(
     costs: Costs,
-    acceptance: float,
+    acceptance: float | Callable[[int], float],
     gamma: int | None,
     depth: int | None,
     tokens: int = 1000,
@@ -42,7 +43,8 @@ def tokens_per_second(
     tuner: Tuner | None = None,
 ) -> float:
     """Committed tokens per virtual second of one generation of `tokens` at (γ, depth), each draft
-    token (and each guessed bonus) right with probability `acceptance`, independently. A γ or depth of
+    token (and each guessed bonus) right with probability `acceptance` (or `acceptance(i)` at the i-th
+    generated token), independently. A γ or depth of
     None is the tuner's to choose, fed through the planner as EdgeSession feeds it: each draft call's
     time, each verdict's forward and its round trip."""
     rng = random.Random(seed)
@@ -51,7 +53,8 @@ def tokens_per_second(
     def scaled(seconds: float) -> float:
         return seconds * rng.uniform(1 - costs.jitter, 1 + costs.jitter)
 
-    wrong = {p for p in range(len(prompt), len(prompt) + tokens + 64) if rng.random() > acceptance}
+    rate = acceptance if callable(acceptance) else lambda _: acceptance
+    wrong = {p for p in range(len(prompt), len(prompt) + tokens + 64) if rng.random() > rate(p - len(prompt))}
     info = ModelInfo(
         fake_info(max_context=len(prompt) + tokens + 64), max_gamma=16, max_message_bytes=1 << 20
     )
@@ -78,7 +81,8 @@ def tokens_per_second(
             coming.append((server_free + scaled(costs.rtt / 2), verdict))
         elif (job := plan.next_draft()) is not None:
             drafted = drafter.propose(job.base, job.gamma, request.sampling, plan.stops)
-            seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma)
+            # A plain step (γ 0) calls no drafter (EdgeSession._draft).
+            seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma) if job.gamma else 0.0
             now += seconds
             plan.add_draft(job, drafted, seconds)
         else:

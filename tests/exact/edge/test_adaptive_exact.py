@@ -20,6 +20,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.rig.netdelay import DelayConfig, DelayProxy
 from tools.rig.serverproc import ServerProcess
+from tools.rig.wrongdraft import WrongDrafter
 
 DEMO = Path(__file__).resolve().parents[3] / "models" / "demo"
 EDGE = str(Path(sys.executable).parent / "draftwire")
@@ -96,3 +97,27 @@ def test_cli_generate_is_adaptive_by_default_and_exact(verifier):
     edge = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True).stdout)
     alone = _reference((15, 27, 300, 1024), SamplingParams(temperature=0.8, seed=5), 40)
     assert edge["token_ids"] == alone and len(alone) == 40
+
+
+@pytest.mark.parametrize("mode", SAMPLINGS)
+def test_speculation_turned_off_by_a_wrong_draft_changes_no_token(verifier, mode):
+    """A draft wrong on purpose (every token shifted): the tuner turns speculation off, the edge sends
+    plain steps, probes, and the output still equals the target alone's."""
+    params = SAMPLINGS[mode]
+
+    async def run():
+        right = LlamaDrafter(DrafterConfig(DEMO / "draft-q8_0.gguf", n_threads=1))
+        drafter = WrongDrafter(right, right.n_vocab)
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            session = EdgeSession(channel, drafter)
+            # Quick to judge and to probe (the policy's own figures are the timeline tests' to check).
+            config = TunerConfig(warmup=1, dwell=2, off_window=4, off_margin=0.0, probe_after=6)
+            session.tuner = Tuner(config)
+            request = GenerationRequest(PROMPTS[0], params, 64, None, ignore_eos=True, pipeline=None)
+            ids, stats = await session.run(request)
+            return ids, stats, session.tuner
+
+    ids, stats, tuner = asyncio.run(run())
+    assert ids == _reference(PROMPTS[0], params, 64)
+    assert tuner.offs >= 1 and tuner.probes >= 1 and stats.plain_steps > 20
+    assert stats.as_json()["plain_steps"] == stats.plain_steps and stats.speculation_reason

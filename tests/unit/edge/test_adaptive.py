@@ -299,3 +299,68 @@ def test_the_adaptive_policy_nears_the_best_fixed_setting_on_the_timeline(draft,
     best = max(timeline.tokens_per_second(costs, alpha, g, d, 1000) for g in GAMMAS for d in (0, 1, 2))
     adaptive = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=Tuner())
     assert adaptive >= 0.93 * best
+
+
+# Speculation that does not pay: a draft wrong on purpose (acceptance 0.05) against one that is right.
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("rtt_ms", [1.5, 31.5])
+def test_speculation_turns_off_where_it_does_not_pay_and_beats_every_fixed_setting(draft, rtt_ms):
+    """A wrong draft: the tuner turns speculation off (plain steps), probes now and then, and makes more
+    tokens/s than any fixed setting, near the plain steps' own rate."""
+    costs = timeline_costs(draft, rtt_ms)
+    fixed = max(timeline.tokens_per_second(costs, 0.05, g, d, 1000) for g in GAMMAS for d in (0, 1, 2))
+    tuner = Tuner()
+    adaptive = timeline.tokens_per_second(costs, 0.05, None, None, 1000, tuner=tuner)
+    plain = 1 / (costs.rtt + costs.verify_fixed + costs.verify_position)
+    assert tuner.offs >= 1 and tuner.probes >= 1
+    assert adaptive > fixed, (adaptive, fixed)  # 1.01x (cheap draft, 31.5 ms) to 1.6x (SmolLM2's, 1.5 ms)
+    assert adaptive > 0.9 * plain, (adaptive, plain)
+    if draft == "smollm2":  # a dear draft: plain steps win clearly (a cheap one's γ 1 is near them)
+        assert adaptive > 1.2 * fixed, (adaptive, fixed)
+        assert tuner.plain_steps > 500 and tuner.state in ("off", "probing")
+        assert tuner.reason.startswith(("speculation off", "probing"))
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("rtt_ms", [1.5, 31.5])
+@pytest.mark.parametrize("alpha", [0.6, 0.95])
+def test_the_fallback_costs_nothing_where_speculation_pays(draft, rtt_ms, alpha):
+    """A right draft: speculation never turns off, and the policy makes what it makes without the
+    fallback (within 2 %)."""
+    costs = timeline_costs(draft, rtt_ms)
+    tuner = Tuner()
+    with_fallback = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=tuner)
+    without = timeline.tokens_per_second(
+        costs, alpha, None, None, 1000, tuner=Tuner(TunerConfig(plain=False))
+    )
+    if alpha > 0.9:  # where speculation barely pays (α 0.6 on SmolLM2's costs) a probe may be wrong
+        assert tuner.offs == 0 and tuner.plain_steps == 0 and tuner.state == "on"
+    assert with_fallback >= 0.98 * without, (with_fallback, without, tuner.offs)
+
+
+def test_a_probe_turns_speculation_back_on_when_the_draft_recovers():
+    """Wrong for the first 300 tokens, right after: off, then a probe finds it paying and it stays on."""
+    costs = timeline_costs("smollm2", 1.5)
+    tuner = Tuner()
+    timeline.tokens_per_second(costs, lambda i: 0.05 if i < 300 else 0.95, None, None, 1500, tuner=tuner)
+    assert tuner.offs >= 1 and tuner.probes >= 1
+    assert tuner.state == "on" and tuner.reason == "speculation on: a probe found it paying"
+
+
+def test_probes_back_off_while_speculation_keeps_losing():
+    """Each failed probe doubles the plain steps before the next, up to max_probe_after."""
+    costs = timeline_costs("smollm2", 1.5)
+    tuner = Tuner(TunerConfig(probe_after=8, max_probe_after=64))
+    timeline.tokens_per_second(costs, 0.0, None, None, 2000, tuner=tuner)
+    # 8 + 16 + 32 + 64 + 64 ... plain steps between probes: far fewer probes than 2000 / 8
+    assert 4 <= tuner.probes <= 2000 // 64 + 4
+    assert tuner._probe_after == 64
+
+
+def test_a_fixed_gamma_never_turns_speculation_off():
+    costs = timeline_costs("smollm2", 1.5)
+    tuner = Tuner()
+    timeline.tokens_per_second(costs, 0.0, 4, None, 500, tuner=tuner)  # γ fixed, depth tuned
+    assert tuner.offs == 0 and tuner.plain_steps == 0

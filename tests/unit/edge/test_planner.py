@@ -26,6 +26,7 @@ def test_a_perfect_draft_pipelined_sends_ahead_and_nothing_is_stale():
     request = GenerationRequest(PROMPT, max_new_tokens=40, gamma=4, ignore_eos=True, pipeline=2)
     plan, sent = drive(request, INFO, MistakenDrafter(), lag=2)
     assert plan.stats.sent_ahead > 0 and plan.stats.stale_rounds == 0
+    assert plan.stats.restarts == 1 and plan.stats.drafts > plan.stats.restarts  # only the first draft
     assert plan.stats.accepted_tokens == plan.stats.draft_tokens
     assert any(p.assumed_token_ids for p in sent)  # each builds on the guess of the bonus before it
 
@@ -34,6 +35,7 @@ def test_a_rejection_makes_the_proposals_built_on_it_stale():
     request = GenerationRequest(PROMPT, max_new_tokens=40, gamma=4, ignore_eos=True, pipeline=2)
     plan, _ = drive(request, INFO, MistakenDrafter(wrong=(5,)), lag=2)
     assert plan.stats.stale_rounds >= 1
+    assert plan.stats.restarts == 2  # the first draft, and the one from the correction
 
 
 def test_without_pipelining_nothing_is_sent_ahead():
@@ -41,6 +43,7 @@ def test_without_pipelining_nothing_is_sent_ahead():
     plan, sent = drive(request, INFO, MistakenDrafter(wrong=(7,)), lag=0)
     assert plan.stats.sent_ahead == 0 and plan.stats.stale_rounds == 0
     assert all(not p.assumed_token_ids for p in sent)
+    assert plan.stats.restarts == plan.stats.drafts == plan.stats.rounds  # every draft waits for a verdict
 
 
 @pytest.mark.parametrize("max_new_tokens, gamma", [(1, 4), (5, 4), (9, 8), (10, 3)])
