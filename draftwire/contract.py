@@ -211,6 +211,9 @@ class ModelInfo:
     max_gamma: int  # most draft tokens one proposal may carry
     max_message_bytes: int  # largest message the verifier receives
     numerics: Numerics | None = None  # None: an older verifier that does not say
+    # Takes proposals of no draft token (plain steps: the edge's fallback where speculation does not
+    # pay, edge_client.adaptive). False from an older verifier, which refuses them.
+    plain_steps: bool = True
 
 
 def is_stale(committed: Sequence[int], proposal: Proposal) -> bool:

@@ -262,6 +262,7 @@ def model_info_to_proto(m: ModelInfo) -> pb.ModelInfo:
         chat_template=t.chat_template,
         max_message_bytes=m.max_message_bytes,
         numerics=numerics_to_proto(m.numerics) if m.numerics else None,
+        plain_steps=m.plain_steps,
     )
 
 
@@ -283,5 +284,9 @@ def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
     n = m.numerics
     numerics = Numerics(n.dtype, n.kernels, n.device, n.exact) if m.HasField("numerics") else None
     return ModelInfo(
-        target=target, max_gamma=m.max_gamma, max_message_bytes=m.max_message_bytes, numerics=numerics
+        target=target,
+        max_gamma=m.max_gamma,
+        max_message_bytes=m.max_message_bytes,
+        numerics=numerics,
+        plain_steps=m.plain_steps,
     )

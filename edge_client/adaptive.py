@@ -240,14 +240,15 @@ class Tuner:
         )
 
     def choose(
-        self, gamma: int | None = None, depth: int | None = None, max_gamma: int = 0
+        self, gamma: int | None = None, depth: int | None = None, max_gamma: int = 0, plain: bool = True
     ) -> tuple[int, int]:
         """The (γ, depth) to use now; `gamma` or `depth` given fixes that one and the other is tuned.
-        `max_gamma`: the verifier's cap (0: none). Moves the current choice only as the hysteresis allows;
-        with γ tuned (and `plain`), turns speculation off and probes it as the module's docstring says."""
+        `max_gamma`: the verifier's cap (0: none); `plain`: whether the verifier takes plain steps (an
+        older one does not). Moves the current choice only as the hysteresis allows; with γ tuned (and
+        the config's `plain`), turns speculation off and probes it as the module's docstring says."""
         c = self.config
         top = min(c.max_gamma, max_gamma) if max_gamma else c.max_gamma
-        plain = c.plain and not gamma
+        plain = c.plain and plain and not gamma
         if not plain and self.choice[0] == 0:  # a fixed γ, or plain steps not allowed: speculate
             self.choice = (1, self.choice[1])
         gammas = range(gamma, gamma + 1) if gamma else range(1, top + 1)

@@ -187,6 +187,7 @@ class Planner:
         self._verifier_max_gamma = info.max_gamma
         self.max_gamma = info.max_gamma  # the verifier's limit; then its cap under load (Verdict.gamma_cap)
         self.vocab_size = info.target.vocabulary.size  # a verdict's ids must be below it
+        self._plain_steps = info.plain_steps  # the verifier takes proposals of no draft token
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
         self.finished = False
@@ -222,7 +223,9 @@ class Planner:
         """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""
         if not self.request.adaptive:
             return self.request.gamma, self.request.pipeline
-        chosen = self.tuner.choose(self.request.gamma, self.request.pipeline, self.max_gamma)
+        chosen = self.tuner.choose(
+            self.request.gamma, self.request.pipeline, self.max_gamma, self._plain_steps
+        )
         self.stats.speculation, self.stats.speculation_reason = self.tuner.state, self.tuner.reason
         return chosen
 

@@ -30,7 +30,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics")
+    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics", "plain_steps")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ModelInfo(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -49,7 +50,8 @@ class ModelInfo(_message.Message):
     chat_template: str
     max_message_bytes: int
     numerics: Numerics
-    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ...) -> None: ...
+    plain_steps: bool
+    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ..., plain_steps: _Optional[bool] = ...) -> None: ...
 
 class Numerics(_message.Message):
     __slots__ = ("dtype", "kernels", "device", "exact", "identity")

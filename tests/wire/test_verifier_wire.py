@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 
+from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from tests.bad_input_cases import (
@@ -119,6 +120,8 @@ def test_a_proposal_of_no_draft_token_is_a_plain_step(server, info):
         with grpc.insecure_channel(server.address) as channel:
             return pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest()).plain_steps
 
+    assert info.plain_steps  # offered; an older verifier's ModelInfo lacks the field, read as false
+    assert not wire.model_info_from_proto(pb.ModelInfo(max_gamma=8)).plain_steps
     expected = continuation(PROMPT, 3)
     before = plain_steps()
     messages = [open_msg(info, max_new=3), *(proposal(k + 1, START + k, []) for k in range(3))]

@@ -360,6 +360,25 @@ def test_probes_back_off_while_speculation_keeps_losing():
     assert tuner._probe_after == 64
 
 
+def test_an_older_verifier_that_refuses_plain_steps_keeps_speculation_on():
+    """A verifier whose ModelInfo does not offer plain steps (an older one refuses them) never gets one."""
+
+    def losing_tuner() -> Tuner:
+        tuner = Tuner(TunerConfig(warmup=1, dwell=1, off_window=1))
+        for _ in range(30):  # a wrong draft that costs as much as the verifier's step
+            tuner.observe_verdict(2, 0, cut=False)
+            tuner.observe_draft(2, 0.02)
+            tuner.observe_draft(3, 0.03)
+            tuner.observe_verify(2, 0.02)
+            tuner.observe_verify(4, 0.022)
+            tuner.observe_round(0.021, 0.02, queued=False)
+        return tuner
+
+    assert losing_tuner().choose() == (0, 0)
+    tuner = losing_tuner()
+    assert all(tuner.choose(plain=False)[0] >= 1 for _ in range(10)) and tuner.offs == 0
+
+
 def test_a_fixed_gamma_never_turns_speculation_off():
     costs = timeline_costs("smollm2", 1.5)
     tuner = Tuner()
