@@ -286,8 +286,7 @@ class Planner:
         check_logprobs(verdict, len(new), self.request.top_logprobs, self.vocab_size)
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
         self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
-        if self.tuner.verify.seen:
-            self.stats.step_s = sum(self.tuner.verify.line())  # V(1): fixed + one position
+        self.stats.step_s = self.tuner.verify(1)  # V(1), the target's one-step time (0 before any)
         if arrived is not None and sent.sent_s is not None:
             self.stats.round_s.append(arrived - sent.sent_s)
             self.tuner.observe_round(self.stats.round_s[-1], verdict.verify_seconds, sent.queued)

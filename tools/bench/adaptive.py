@@ -25,7 +25,7 @@ import grpc
 from edge_client.adaptive import Tuner
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.bench.arms import BenchConfig, Row, params_for, route
+from tools.bench.arms import BenchConfig, Row, add_pair_flags, params_for, route
 from tools.bench.speed import RowRun, add_bound
 from tools.rig import devices
 
@@ -223,24 +223,15 @@ def ratio_table(rows: list[dict], key: str, title: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from tools.cliargs import add_target_numerics, id_list, rig
+    from tools.cliargs import id_list
 
     p = argparse.ArgumentParser(prog="python -m tools.bench.adaptive", description=__doc__)
-    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
-    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
-    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per point")
-    p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
-    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_pair_flags(p, temperature=0.7)
     p.add_argument("--gammas", type=id_list, default=(1, 2, 3, 4, 6, 8), help="the fixed grid's γ")
     p.add_argument("--depths", type=id_list, default=(0, 1, 2), help="the fixed grid's pipeline depths")
     p.add_argument(
         "--rtts", type=id_list, default=(0, 10, 30, 80), help="round-trip times in ms (0: loopback)"
     )
-    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
-    p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=rig, default=((), ()))
-    p.add_argument("--temperature", type=float, default=0.7, help="of the seeded sampled runs")
-    add_target_numerics(p)
     p.add_argument("--out", type=Path, default=Path("runs/adaptive"), help="adaptive.json, adaptive.md")
     return p
 

@@ -4,12 +4,31 @@ and transformers' own speculation, in a child process) and `adaptive` build on i
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftwire.contract import SamplingParams
 from tools.rig.netdelay import DelayConfig, DelayProxy
+
+
+def add_pair_flags(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The flags of a bench over one pair on the two-device rig, which BenchConfig.from_args reads
+    (besides --gammas and --rtts, each bench's own): the pair, the prompts, the rig, the sampled mode's
+    temperature (`temperature` its default) and the target's numerics."""
+    from tools.cliargs import add_target_numerics, rig
+
+    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
+    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per point")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
+    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
+    p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=rig, default=((), ()))
+    p.add_argument("--temperature", type=float, default=temperature, help="of the seeded sampled runs")
+    add_target_numerics(p)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from edge_client.adaptive import TunerConfig
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from tools.bench.adaptive import interleaved
-from tools.bench.arms import BenchConfig, route
+from tools.bench.arms import BenchConfig, add_pair_flags, route
 from tools.rig import devices
 from tools.rig.wrongdraft import WrongDrafter
 
@@ -93,19 +93,8 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.cliargs import add_target_numerics, rig
-
     p = argparse.ArgumentParser(prog="python -m tools.bench.fallback", description=__doc__.split("\n")[0])
-    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
-    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
-    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per point")
-    p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
-    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
-    p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=rig, default=((), ()))
-    p.add_argument("--temperature", type=float, default=0.8, help="of the seeded sampled runs")
-    add_target_numerics(p)
+    add_pair_flags(p, temperature=0.8)
     p.add_argument("--out", type=Path, default=Path("runs/fallback"), help="fallback.json, fallback.md")
     args = p.parse_args(argv)
     args.gammas, args.rtts = (4,), (0,)
