@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     config = BenchConfig.from_args(args, pipelines=args.depths)
     report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    flags = argv if argv is not None else sys.argv[1:]
+    report["command"] = " ".join(["python -m tools.bench.adaptive", *flags])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adaptive.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)

@@ -18,12 +18,18 @@ def add_pair_flags(p: argparse.ArgumentParser, temperature: float) -> None:
     (besides --gammas and --rtts, each bench's own): the pair, the prompts, the rig, the sampled mode's
     temperature (`temperature` its default) and the target's numerics."""
     from tools.cliargs import add_target_numerics, rig
+    from tools.models.prompts import PROMPT_SETS
 
     p.add_argument("--target", type=Path, required=True, help="transformers target directory")
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
     p.add_argument("--prompts", type=int, default=3, help="held-out prompts per point")
     p.add_argument("--prompt-tokens", type=int, default=48, help="length of the code prompts")
     p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
+    p.add_argument(
+        "--prompt-set",
+        choices=PROMPT_SETS,
+        help="a class of held-out turns for a chat target (tools.models.prompts), instead of --chat",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
     p.add_argument("--two-device", metavar="EDGE_CPUS:VERIFIER_CPUS", type=rig, default=((), ()))
@@ -67,9 +73,11 @@ class BenchConfig:
         """From the flags every bench takes (--target, --draft, --prompts, --chat, --prompt-tokens,
         --max-new-tokens, --gammas, --rtts, --draft-threads, --two-device, --temperature, --dtype,
         --no-bit-exact, and --draft-hf where it has one); `fields` set the rest."""
-        from tools.models.prompts import chat_prompts, heldout_prompts
+        from tools.models.prompts import chat_prompts, heldout_prompts, prompt_set
 
-        if args.chat:
+        if getattr(args, "prompt_set", None):
+            prompts = prompt_set(args.prompt_set, args.target, args.prompts)
+        elif args.chat:
             prompts = chat_prompts(args.target, args.prompts)
         else:
             prompts = heldout_prompts(args.target, args.prompts, args.prompt_tokens)
@@ -115,6 +123,7 @@ class Row:
     drafts_per_round: float | None = None  # drafter calls per verified round (GenerationStats.drafts)
     restarts_per_round: float | None = None  # drafts with nothing live in flight (GenerationStats.restarts)
     plain_steps: int = 0  # rounds of no draft token: speculation off (edge_client.adaptive)
+    server_tokens: int = 0  # decoded by the verifier alone: speculation off, handed off
     speculation_offs: int = 0  # times the row's tuner turned speculation off, and probed it
     probes: int = 0
     speculation_reason: str = ""  # the tuner's last reason

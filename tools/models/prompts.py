@@ -97,7 +97,18 @@ CODE_PROMPTS = (
 CODE_PROMPT_KINDS = ("write",) * 5 + ("complete",) * 3 + ("rewrite",) * 8
 assert len(CODE_PROMPT_KINDS) == len(CODE_PROMPTS)
 
-PROMPT_SETS = ("chat", "code")
+# Held-out short verse, written for these benchmarks: the prompt class where a small draft agrees least
+# with its target (0.50 greedy agreement on a haiku for the Qwen pair, issue 29, against 0.92 on code).
+HAIKU_PROMPTS = (
+    "Write a haiku about a lighthouse in fog.",
+    "Write a haiku about the first snow on a city street.",
+    "Write a haiku about a cat asleep in a patch of sun.",
+    "Write a haiku about a train leaving at midnight.",
+    "Write a haiku about an old bridge over a river.",
+    "Write a haiku about the smell of rain on hot stone.",
+)
+
+PROMPT_SETS = ("chat", "code", "haiku")
 
 
 def code_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
@@ -109,12 +120,15 @@ def code_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
 
 
 def prompt_set(name: str, target_dir: Path, count: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """The held-out chat turns ('chat', 24) or code turns ('code', 16) for a chat target: the first
-    `count`, all of them when None."""
+    """The held-out chat turns ('chat', 24), code turns ('code', 16) or verse turns ('haiku', 6) for a
+    chat target, rendered with its template: the first `count`, all of them when None. Raises
+    ValueError for another name, or a count past the set's."""
     from tools.models.smollm2_card import CARD_PROMPTS
 
-    texts = {"chat": CARD_PROMPTS, "code": CODE_PROMPTS}
+    texts = {"chat": CARD_PROMPTS, "code": CODE_PROMPTS, "haiku": HAIKU_PROMPTS}
     if name not in texts:
         raise ValueError(f"prompt set {name!r}: one of {', '.join(PROMPT_SETS)}")
     count = len(texts[name]) if count is None else count
-    return (chat_prompts if name == "chat" else code_prompts)(target_dir, count)
+    if count > len(texts[name]):
+        raise ValueError(f"{len(texts[name])} held-out {name} prompts, not {count}")
+    return chat_turns(target_dir, texts[name][:count])
