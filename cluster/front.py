@@ -63,6 +63,7 @@ _SUMMED = (
     "stale_proposals",
     "thin_sessions",
     "plain_steps",
+    "handoffs",
 )
 _SUMMED_LISTS = ("accepted_per_position", "batch_seconds_counts", "batch_size_counts")
 

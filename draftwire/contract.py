@@ -124,6 +124,7 @@ class SessionSpec:
     drafting: Drafting = Drafting.EDGE  # who drafts
     numerics: str = ""  # the Numerics.identity the session must be verified with (a resume); "" any
     top_logprobs: int | None = None  # None: no logprobs; k: each token's, and the k most likely (k <= 20)
+    handoff: bool = False  # a thin session an edge hands over while speculation does not pay
 
     @property
     def thin(self) -> bool:
@@ -214,6 +215,9 @@ class ModelInfo:
     # Takes proposals of no draft token (plain steps: the edge's fallback where speculation does not
     # pay, edge_client.adaptive). False from an older verifier, which refuses them.
     plain_steps: bool = True
+    # Decodes thin sessions (the verifier plays the rounds), where an edge hands a session over while
+    # speculation does not pay. False from an older verifier, or one that refuses them.
+    thin_sessions: bool = True
 
 
 def is_stale(committed: Sequence[int], proposal: Proposal) -> bool:

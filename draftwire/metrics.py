@@ -40,6 +40,7 @@ _COUNTERS = (
     ("prefill_reused_positions", "reused_positions", "Prefill positions taken from kept caches."),
     ("stale_proposals", "stale_proposals", "Proposals answered stale."),
     ("plain_steps", "plain_steps", "Edge rounds of no draft token: speculation off where it does not pay."),
+    ("handoffs", "handoffs", "Thin sessions an edge handed over: speculation off, the verifier decoding."),
 )
 _GAUGES = (
     ("active_sessions", "active_sessions", "Sessions whose KV cache is held now."),

@@ -172,6 +172,7 @@ def spec_to_proto(spec: SessionSpec) -> pb.OpenSession:
         drafting=_DRAFTING[spec.drafting],
         numerics=spec.numerics,
         top_logprobs=spec.top_logprobs,
+        handoff=spec.handoff,
     )
 
 
@@ -188,6 +189,7 @@ def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
         drafting=_DRAFTING_BACK.get(m.drafting, Drafting.EDGE),
         numerics=m.numerics,
         top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
+        handoff=m.handoff,
     )
 
 
@@ -263,6 +265,7 @@ def model_info_to_proto(m: ModelInfo) -> pb.ModelInfo:
         max_message_bytes=m.max_message_bytes,
         numerics=numerics_to_proto(m.numerics) if m.numerics else None,
         plain_steps=m.plain_steps,
+        thin_sessions=m.thin_sessions,
     )
 
 
@@ -289,4 +292,5 @@ def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
         max_message_bytes=m.max_message_bytes,
         numerics=numerics,
         plain_steps=m.plain_steps,
+        thin_sessions=m.thin_sessions,
     )

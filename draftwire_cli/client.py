@@ -100,10 +100,12 @@ def generate(args) -> int:
 
 def _notes(args, stats, tokens: list[int], stops: set[int]) -> None:
     """What the user should know of a generation that succeeded, on stderr."""
-    if stats.plain_steps:  # speculation did not pay for part of it (edge_client.adaptive)
+    if stats.plain_steps or stats.legs:  # speculation did not pay for part of it (edge_client.adaptive)
+        done = f"{stats.plain_steps} of {stats.rounds} rounds ran without speculation"
+        if stats.legs:
+            done = f"the verifier decoded {stats.server_tokens} of {stats.generated_tokens} tokens alone"
         print(
-            f"draftwire: {stats.plain_steps} of {stats.rounds} rounds ran without speculation; "
-            f"{stats.speculation_reason or 'speculation ' + stats.speculation}",
+            f"draftwire: {done}; {stats.speculation_reason or 'speculation ' + stats.speculation}",
             file=sys.stderr,
         )
     if not args.ignore_eos and all(t in stops for t in tokens):  # nothing but an end-of-sequence

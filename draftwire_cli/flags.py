@@ -237,12 +237,7 @@ def add_limits(p: argparse.ArgumentParser) -> None:
         help="while other sessions are open, a batch's prefill takes at most this share of a round's "
         "time (measured), so rounds are not stuck behind long prompts",
     )
-    g.add_argument(
-        "--thin-read-ahead",
-        type=positive,
-        default=64,
-        help="a thin session is decoded at most this many tokens past what its edge has read",
-    )
+    _add_thin_limits(g)
     g.add_argument(
         "--max-stale-in-a-row", type=count, default=64, help="stale proposals in a row that end a session"
     )
@@ -260,6 +255,23 @@ def add_limits(p: argparse.ArgumentParser) -> None:
         type=seconds,
         default=30.0,
         help="on SIGTERM, running sessions may finish this long",
+    )
+
+
+def _add_thin_limits(g) -> None:
+    """Thin sessions (the verifier decoding alone): whether at all, and how far ahead of the reader."""
+    g.add_argument(
+        "--no-thin-sessions",
+        dest="thin_sessions",
+        action="store_false",
+        help="refuse thin sessions (the verifier decoding alone, a token a forward): thin clients, and "
+        "edges that hand a session over where speculation does not pay (they send plain steps instead)",
+    )
+    g.add_argument(
+        "--thin-read-ahead",
+        type=positive,
+        default=64,
+        help="a thin session is decoded at most this many tokens past what its edge has read",
     )
 
 

@@ -35,7 +35,9 @@ def serve(args) -> int:
         args.host,
         args.port,
         args.max_message_bytes,
-        VerifierLimits(max_gamma=args.max_gamma, read_ahead=args.thin_read_ahead),
+        VerifierLimits(
+            max_gamma=args.max_gamma, read_ahead=args.thin_read_ahead, thin_sessions=args.thin_sessions
+        ),
         BatchConfig(
             max_batch=args.max_batch,
             window_s=args.batch_window_ms / 1000,

@@ -47,6 +47,7 @@ def figures(now: pb.ServerStats, before: pb.ServerStats | None, seconds: float) 
         "cache_mib": now.cache_bytes / (1 << 20),
         "stale_proposals": now.stale_proposals,
         "plain_steps": now.plain_steps,
+        "handoffs": now.handoffs,
         "refusals": dict(now.refusals),
     }
 
@@ -63,7 +64,8 @@ def render(address: str, f: dict) -> str:
             f"target positions/token {f['target_positions_per_token']:>5.2f}   γ cap {f['gamma_cap']:>3}",
             f"prefill    computed {f['prefill_computed']:>8}   reused {f['prefill_reused']:>8}   "
             f"kept caches {f['kept_caches']:>4}   KV {f['cache_mib']:>8.1f} MiB",
-            f"stale {f['stale_proposals']:>8}   plain steps (speculation off) {f['plain_steps']:>8}   "
+            f"speculation off   plain steps {f['plain_steps']:>8}   hand-offs {f['handoffs']:>6}   "
+            f"stale {f['stale_proposals']:>8}",
             f"refusals {refusals}",
         ]
     )

@@ -47,6 +47,14 @@ tuner probes: `dwell` rounds at the γ the model likes best, unpipelined, then d
 on what the probe saw more than on what turned speculation off. A probe that finds speculation
 still losing doubles the wait for the next (up to `max_probe_after`); one that finds it paying keeps
 it on. Every change of state says why (`reason`).
+
+Decoding on the verifier (`hand_off`): where the verifier can decode the session itself (a thin session,
+which it plays back to back and streams: no round trip a token), speculation off means that instead of
+plain steps. The edge hands the session to the verifier for the tokens left before the next probe (a
+*leg*), then takes it back to probe; a leg of n tokens costs a round trip to open and n one-step
+forwards, so off promises 1 / (V(1) + R / n) tokens/s. Where round trips are dear (a GPU verifier's
+step of tens of ms, a mobile link's RTT of as much), that is the fallback that pays: plain steps
+would pay R a token.
 """
 
 from __future__ import annotations
@@ -55,7 +63,15 @@ from dataclasses import dataclass, field
 
 from draftwire.speculation import AcceptanceCounts, CostLine, expected_tokens
 
-__all__ = ["CostLine", "Estimates", "Tuner", "TunerConfig", "expected_tokens", "tokens_per_second"]
+__all__ = [
+    "CostLine",
+    "Estimates",
+    "Tuner",
+    "TunerConfig",
+    "expected_tokens",
+    "off_tokens_per_second",
+    "tokens_per_second",
+]
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,7 @@ class TunerConfig:
     off_margin: float = 0.1  # plain steps must promise this share more than the best speculative setting
     probe_after: int = 16  # plain steps before the first probe; doubled after each failed probe
     max_probe_after: int = 256
+    hand_off: bool = True  # off hands decoding to the verifier where it can, instead of plain steps
 
 
 @dataclass(frozen=True)
@@ -99,12 +116,18 @@ class Estimates:
         return self.verify_fixed_s + self.verify_position_s * (gamma + 1)
 
 
+def off_tokens_per_second(est: Estimates, leg: int | None = None) -> float:
+    """The model's tokens per second with speculation off: plain steps (`leg` None), or decoding on the
+    verifier in legs of `leg` tokens, each a round trip to open and then one forward a token."""
+    step = est.verify(0) + (est.rtt_s if leg is None else est.rtt_s / leg)
+    return 1 / step if step > 0 else float("inf")
+
+
 def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     """The model's committed tokens per second at (γ, depth) (see the module's docstring); γ 0 is a
     plain step (no drafting, nothing to pipeline)."""
     if gamma == 0:
-        step = est.rtt_s + est.verify(0)
-        return 1 / step if step > 0 else float("inf")
+        return off_tokens_per_second(est)
     tokens = expected_tokens(est.acceptance, gamma)
     verify = est.verify(gamma)
     fresh = est.draft(gamma) + est.rtt_s + verify
@@ -165,6 +188,8 @@ class Tuner:
     moves: int = 0  # times the choice changed
     rtt_s: float | None = None
     plain_steps: int = 0  # verified rounds of no draft token (speculation off, γ 0)
+    server_tokens: int = 0  # tokens the verifier decoded alone, handed off (speculation off)
+    legs: int = 0  # times speculation off handed decoding to the verifier
     offs: int = 0  # times speculation turned off
     probes: int = 0  # probes begun while off
     reason: str = ""  # why the last change of state: speculation off, probing, on again
@@ -180,6 +205,7 @@ class Tuner:
         self._probe_after = self.config.probe_after
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
         self._probing = False
+        self._server = False  # off hands decoding to the verifier (choose's `server`)
 
     @property
     def state(self) -> str:
@@ -201,6 +227,20 @@ class Tuner:
         # Every position's counts decay each round, judged or not: what a position not reached lately
         # (γ moved below it) once showed fades, and it borrows the pooled rate again.
         self._acceptance.round(draft_tokens, accepted, cut)
+
+    def observe_leg(self, tokens: int) -> None:
+        """The verifier decoded `tokens` alone (a leg, speculation off): each counts as a plain step
+        towards the next probe, and the acceptance counts decay as over that many rounds."""
+        self.legs += 1
+        self.server_tokens += tokens
+        self.rounds += tokens
+        self._plain_since += tokens
+        for _ in range(tokens):
+            self._acceptance.round(0, 0)
+
+    def leg_tokens(self) -> int:
+        """While off: the tokens to hand to the verifier before the next probe (at least 1)."""
+        return max(1, self._probe_after - self._plain_since)
 
     def observe_guess(self, draft_tokens: int, right: bool) -> None:
         """A proposal of `draft_tokens` all accepted, and its pipelined successor's guess of the bonus
@@ -240,15 +280,22 @@ class Tuner:
         )
 
     def choose(
-        self, gamma: int | None = None, depth: int | None = None, max_gamma: int = 0, plain: bool = True
+        self,
+        gamma: int | None = None,
+        depth: int | None = None,
+        max_gamma: int = 0,
+        plain: bool = True,
+        server: bool = False,
     ) -> tuple[int, int]:
         """The (γ, depth) to use now; `gamma` or `depth` given fixes that one and the other is tuned.
         `max_gamma`: the verifier's cap (0: none); `plain`: whether the verifier takes plain steps (an
-        older one does not). Moves the current choice only as the hysteresis allows; with γ tuned (and
-        the config's `plain`), turns speculation off and probes it as the module's docstring says."""
+        older one does not); `server`: whether speculation off can hand decoding to the verifier.
+        Moves the current choice only as the hysteresis allows; with γ tuned (and the config's
+        `plain`), turns speculation off and probes it as the module's docstring says."""
         c = self.config
         top = min(c.max_gamma, max_gamma) if max_gamma else c.max_gamma
         plain = c.plain and plain and not gamma
+        self._server = plain and server and c.hand_off
         if not plain and self.choice[0] == 0:  # a fixed γ, or plain steps not allowed: speculate
             self.choice = (1, self.choice[1])
         gammas = range(gamma, gamma + 1) if gamma else range(1, top + 1)
@@ -289,7 +336,7 @@ class Tuner:
         c = self.config
         if not self._probing and self.rounds - self._last_move < c.off_window:
             return False
-        plain = tokens_per_second(est, 0, 0)
+        plain = off_tokens_per_second(est, self._probe_after if self._server else None)
         if plain <= (1 + c.off_margin) * tokens_per_second(est, *current):
             return False  # the current setting pays: one evaluation instead of the whole grid's
         best = best_setting(est, gammas, depths)
@@ -302,8 +349,9 @@ class Tuner:
         self._last_move = self.rounds
         self.offs += 1
         self.moves += 1
+        how = "decoding on the verifier promises" if self._server else "plain steps promise"
         self.reason = (
-            f"speculation off: plain steps promise {plain:.2f} tokens/s, the best speculative setting "
+            f"speculation off: {how} {plain:.2f} tokens/s, the best speculative setting "
             f"(γ {best[0]}, depth {best[1]}) {speculative:.2f} at acceptance {est.acceptance[0]:.2f}"
         )
         return True
@@ -316,5 +364,6 @@ class Tuner:
         self.probes += 1
         self.moves += 1
         gamma, _ = best_setting(self.estimates(), gammas, range(depth, depth + 1))
-        self.reason = f"probing speculation at γ {gamma} after {self._probe_after} plain steps"
+        steps = "tokens decoded on the verifier" if self._server else "plain steps"
+        self.reason = f"probing speculation at γ {gamma} after {self._probe_after} {steps}"
         return gamma, depth

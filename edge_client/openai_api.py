@@ -338,11 +338,14 @@ def timings(stats: GenerationStats, prompt_tokens: int) -> dict:
         "gamma_cap": stats.gamma_cap,  # the verifier's γ cap under load, last and lowest (0: none)
         "min_gamma_cap": stats.min_gamma_cap,
         # Speculation that does not pay (edge_client.adaptive): the gain over the target alone at its
-        # one-step time, the state the request ended in, why it last changed, and its plain steps.
+        # one-step time, the state the request ended in, why it last changed, its plain steps, and the
+        # tokens the verifier decoded alone in the legs it was handed.
         "speculation_gain": stats.speculation_gain,
         "speculation": stats.speculation,
         "speculation_reason": stats.speculation_reason,
         "plain_steps": stats.plain_steps,
+        "server_tokens": stats.server_tokens,
+        "handoffs": stats.legs,
     }
 
 

@@ -39,6 +39,7 @@ class GenerationRequest:
     pipeline: int | None = 0  # proposals sent ahead of their verdicts; 0 waits for each; None: chosen online
     drafting: Drafting = Drafting.EDGE  # NONE or NGRAM: a thin session, the verifier decodes it
     top_logprobs: int | None = None  # None: no logprobs; k: each token's and the k most likely (k <= 20)
+    handoff: bool = False  # a leg: a thin session EdgeSession opens while speculation is off
 
     @property
     def adaptive(self) -> bool:
@@ -62,6 +63,7 @@ class GenerationRequest:
             drafting=self.drafting,
             numerics=numerics,
             top_logprobs=self.top_logprobs,
+            handoff=self.handoff,
         )
 
 
@@ -71,6 +73,8 @@ class GenerationStats:
     stale_rounds: int = 0  # pipelined proposals that came back stale
     sent_ahead: int = 0  # proposals sent before the verdict of the one before them
     plain_steps: int = 0  # verified rounds of no draft token: speculation off (edge_client.adaptive)
+    server_tokens: int = 0  # decoded by the verifier alone: speculation off, handed off in legs
+    legs: int = 0  # such hand-offs
     speculation: str = "on"  # the tuner's state when the generation ended: on, off or probing
     speculation_reason: str = ""  # why it last changed (empty: it never did)
     step_s: float = 0.0  # the target's one-step time: its forward over one position, from the verdicts
@@ -120,6 +124,8 @@ class GenerationStats:
             "stale_rounds": self.stale_rounds,
             "sent_ahead": self.sent_ahead,
             "plain_steps": self.plain_steps,
+            "server_tokens": self.server_tokens,
+            "handoffs": self.legs,
             "speculation_gain": self.speculation_gain,
             "speculation": self.speculation,
             "speculation_reason": self.speculation_reason,
@@ -162,6 +168,9 @@ class DraftJob:
     base: list[int]
     gamma: int
     assumes: bool
+    # Speculation off, decoding handed to the verifier (edge_client.adaptive): the tokens it decodes
+    # alone, in a thin session, before the edge takes the session back. Nothing is drafted or sent here.
+    handoff: int = 0
 
 
 class Planner:
@@ -174,10 +183,12 @@ class Planner:
         generated: Sequence[int] = (),
         stats: GenerationStats | None = None,
         tuner: Tuner | None = None,
+        hand_off: bool = False,
     ):
         """`tuner`: where an adaptive request's γ and depth come from (one is made when None). Every
         request's verdicts teach it, a fixed one's too: the estimates then hold for whatever request
-        follows, and show what the model predicts for a fixed setting."""
+        follows, and show what the model predicts for a fixed setting. `hand_off`: the transport can
+        hand the session to the verifier to decode alone (DraftJob.handoff) when speculation is off."""
         self.request = request
         self.tuner = tuner or Tuner()
         self.stats = stats if stats is not None else GenerationStats()
@@ -188,6 +199,8 @@ class Planner:
         self.max_gamma = info.max_gamma  # the verifier's limit; then its cap under load (Verdict.gamma_cap)
         self.vocab_size = info.target.vocabulary.size  # a verdict's ids must be below it
         self._plain_steps = info.plain_steps  # the verifier takes proposals of no draft token
+        edge = request.drafting is Drafting.EDGE
+        self._hand_off = hand_off and info.thin_sessions and info.plain_steps and edge
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
         self.finished = False
@@ -211,6 +224,9 @@ class Planner:
             if gamma is None:
                 return None
             self.stats.restarts += gamma > 0
+            if gamma == 0 and self._hand_off:  # speculation off: the verifier decodes the next leg
+                left = self.budget - (len(self.committed) - self._prompt_length)
+                return DraftJob(list(self.committed), 0, False, min(self.tuner.leg_tokens(), left))
             return DraftJob(list(self.committed), gamma, False)  # γ 0: a plain step, nothing to draft
         last = live[-1]
         base = [*last.prefix, *last.draft]
@@ -224,7 +240,7 @@ class Planner:
         if not self.request.adaptive:
             return self.request.gamma, self.request.pipeline
         chosen = self.tuner.choose(
-            self.request.gamma, self.request.pipeline, self.max_gamma, self._plain_steps
+            self.request.gamma, self.request.pipeline, self.max_gamma, self._plain_steps, self._hand_off
         )
         self.stats.speculation, self.stats.speculation_reason = self.tuner.state, self.tuner.reason
         return chosen

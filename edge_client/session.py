@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from concurrent.futures import Executor
@@ -20,7 +21,15 @@ import grpc
 
 from draftwire import wire
 from draftwire.aio import within
-from draftwire.contract import ModelInfo, SamplingParams, TokenLogprob, Verdict
+from draftwire.contract import (
+    Drafting,
+    Finish,
+    ModelInfo,
+    SamplingParams,
+    TokenLogprob,
+    Verdict,
+    generation_budget,
+)
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
@@ -77,6 +86,20 @@ class Timeouts:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
 
 
+@dataclass
+class _Leg:
+    """Speculation off, handed to the verifier: it decodes the session alone, in a thin session, from
+    `start` to `end` generated tokens (or to a finish), and then the edge takes it back."""
+
+    start: int
+    end: int
+    finish: Finish | None = None  # how the leg's thin session ended
+
+    def request(self, request: GenerationRequest) -> GenerationRequest:
+        """The leg's thin session: the request's, the verifier drafting by prompt lookup, to `end`."""
+        return dataclasses.replace(request, drafting=Drafting.NGRAM, max_new_tokens=self.end, handoff=True)
+
+
 class EdgeSession:
     """Runs generations against one verifier channel with one drafter."""
 
@@ -88,7 +111,11 @@ class EdgeSession:
         vocabulary: Vocabulary | None = None,
     ):
         """`drafter` None: a thin client, whose requests must ask the verifier to decode (drafting NONE
-        or NGRAM); `vocabulary` then names the vocabulary its prompt ids are in, if it knows it."""
+        or NGRAM); `vocabulary` then names the vocabulary its prompt ids are in, if it knows it.
+
+        With speculation off (edge_client.adaptive), the session is handed to the verifier to decode
+        alone (prompt lookup, as a thin client's) until the next probe, unless the tuner's config says
+        not to (`hand_off`) or the verifier once refused such a leg: then the edge sends plain steps."""
         self.stub = pb_grpc.VerifierStub(channel)
         self.drafter = drafter
         self.vocabulary = drafter.vocabulary if drafter is not None else vocabulary
@@ -96,6 +123,7 @@ class EdgeSession:
         # Adaptive requests' γ and depth: its estimates outlive a generation (same drafter, same link).
         self.tuner = Tuner()
         self._info: ModelInfo | None = None
+        self.hand_off = True  # False once the verifier refused a leg
 
     async def model_info(self) -> ModelInfo:
         """What the verifier serves (asked once per EdgeSession)."""
@@ -121,24 +149,29 @@ class EdgeSession:
         re-prefills them, so no token is lost or repeated. Raises VerifierError when the verifier
         refuses, answers a bad verdict (INTERNAL), or when the resume budget is spent (UNAVAILABLE,
         saying so); `generated` then holds every committed token.
+
+        A leg (speculation off, handed to the verifier) is a thin session resumed from the committed
+        tokens, and the edge session that takes it back another resume: the same tokens either way.
         """
         stats = stats if stats is not None else GenerationStats()
         generated = generated if generated is not None else []
         logprobs = logprobs if logprobs is not None else []
         start = stats.started_at = time.perf_counter()
         streak, since, progress = 0, 0.0, len(generated)  # re-opens without progress, since when
+        legs: list[_Leg] = []  # the hand-off under way, if any
         try:
             while True:
                 try:
                     # Closed at once when the caller stops reading: the stream is cancelled on the verifier.
-                    stream = (self._thin_stream if request.spec().thin else self._stream)(
-                        request, stats, generated, logprobs
-                    )
+                    stream = self._next_stream(request, stats, generated, logprobs, legs)
                     async with contextlib.aclosing(stream) as stream:
                         async for new in stream:
                             yield new
-                    return
+                    if self._finished(request, stats, generated, legs):
+                        return
                 except VerifierError as e:
+                    if self._leg_refused(e, stats, generated, legs):
+                        continue
                     if e.code != grpc.StatusCode.UNAVAILABLE:
                         raise
                     now = time.perf_counter()
@@ -157,6 +190,48 @@ class EdgeSession:
         finally:
             stats.wall_s = time.perf_counter() - start
 
+    def _next_stream(
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        generated: list[int],
+        logprobs: list,
+        legs: list[_Leg],
+    ) -> AsyncIterator[list[int]]:
+        """The stream that goes on with the generation: a thin request's, a leg's, or the edge's."""
+        if request.spec().thin:
+            return self._thin_stream(request, stats, generated, logprobs)
+        if legs:
+            return self._thin_stream(legs[0].request(request), stats, generated, logprobs, legs[0])
+        return self._stream(request, stats, generated, logprobs, legs)
+
+    def _finished(
+        self, request: GenerationRequest, stats: GenerationStats, generated: list[int], legs: list[_Leg]
+    ) -> bool:
+        """After a stream ended without error: whether the generation did (else a leg begins or ends)."""
+        if not legs:
+            return True
+        if legs[0].finish is None:  # _stream handed the session off: the leg begins
+            stats.legs += 1
+            return False
+        leg = legs.pop()  # the leg ended: the edge takes the session back, and probes
+        self.tuner.observe_leg(len(generated) - leg.start)
+        return leg.finish is Finish.STOP or len(generated) >= self._budget(request)
+
+    def _leg_refused(
+        self, error: VerifierError, stats: GenerationStats, generated: list[int], legs: list[_Leg]
+    ) -> bool:
+        """Whether `error` is the verifier refusing a leg before its first token; then the edge sends
+        plain steps instead from now on."""
+        if not legs or len(generated) != legs[0].start or error.code not in _LEG_REFUSALS:
+            return False
+        legs.clear()
+        self.hand_off = False
+        self.tuner.reason = stats.speculation_reason = (
+            f"speculation off, in plain steps: the verifier refused a thin session ({error.details})"
+        )
+        return True
+
     async def run(
         self, request: GenerationRequest, logprobs: list[TokenLogprob] | None = None
     ) -> tuple[list[int], GenerationStats]:
@@ -167,11 +242,22 @@ class EdgeSession:
             pass
         return generated, stats
 
+    def _budget(self, request: GenerationRequest) -> int:
+        """The tokens the request may generate on this verifier."""
+        max_context = self._info.target.max_context
+        return generation_budget(request.max_new_tokens, max_context, len(request.prompt_token_ids))
+
     async def _stream(
-        self, request: GenerationRequest, stats: GenerationStats, generated: list[int], logprobs: list
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        generated: list[int],
+        logprobs: list,
+        legs: list[_Leg],
     ) -> AsyncIterator[list[int]]:
-        """One Session stream, from open to finish: the edge's round loop."""
-        plan = Planner(request, await self.model_info(), generated, stats, self.tuner)
+        """One Session stream, from open to finish, or to a hand-off (speculation off: the leg it
+        appends to `legs`): the edge's round loop."""
+        plan = Planner(request, await self.model_info(), generated, stats, self.tuner, self.hand_off)
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
         try:
@@ -186,6 +272,9 @@ class EdgeSession:
                         continue
                     # ...else draft the next proposal, if the pipeline has room for one...
                     if (job := plan.next_draft()) is not None:
+                        if job.handoff:  # speculation off: the verifier decodes the next leg alone
+                            legs.append(_Leg(len(generated), len(generated) + job.handoff))
+                            break
                         drafted_s = stats.draft_s
                         tokens = await self._draft(job, request, plan.stops, stats)
                         plan.add_draft(job, tokens, stats.draft_s - drafted_s)
@@ -220,12 +309,18 @@ class EdgeSession:
             call.cancel()
 
     async def _thin_stream(
-        self, request: GenerationRequest, stats: GenerationStats, generated: list[int], logprobs: list
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        generated: list[int],
+        logprobs: list,
+        leg: _Leg | None = None,
     ) -> AsyncIterator[list[int]]:
         """One thin Session stream: the open, then the verdicts of the rounds the verifier plays itself.
         Each batch of tokens is yielded to the reader first and acknowledged (a Read) once it has taken
         them, every read_ahead / 2 tokens: the verifier decodes no further ahead of the reader than
-        its read_ahead."""
+        its read_ahead. A `leg` (an edge session's, handed off) learns its finish, and its tokens
+        count as the verifier's, not as drafts: the edge's acceptance figures stay its draft's."""
         await self.model_info()
         call = self.stub.Session()
         inbox = _Inbox(call, stats)
@@ -238,13 +333,19 @@ class EdgeSession:
                     raise VerifierError(grpc.StatusCode.INTERNAL, f"bad verdict from the verifier: {bad}")
                 new = list(verdict.thin_committed)
                 stats.rounds += 1
-                stats.draft_tokens += len(verdict.server_draft_token_ids)
-                stats.accepted_tokens += verdict.accepted
+                if leg is None:
+                    stats.draft_tokens += len(verdict.server_draft_token_ids)
+                    stats.accepted_tokens += verdict.accepted
+                else:
+                    stats.server_tokens += len(new)
+                    self.tuner.observe_verify(len(verdict.server_draft_token_ids), verdict.verify_seconds)
                 stats.generated_tokens += len(new)
                 stats.target_positions = verdict.target_positions
                 stats.verify_s += verdict.verify_seconds
                 stats.batched_with += verdict.batch_size
                 finish = verdict.finish
+                if leg is not None:
+                    leg.finish = finish
                 if new:
                     if stats.first_token_s is None:
                         stats.first_token_s = time.perf_counter() - stats.started_at
@@ -322,6 +423,18 @@ class EdgeSession:
         except asyncio.InvalidStateError:
             raise VerifierError(await call.code(), await call.details() or "") from None
 
+
+# A verifier's refusals of a thin session that plain steps in an edge session can get past: its policy
+# or its load (an older or a stricter verifier), not the request's credentials.
+_LEG_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 # What the gRPC core (not the verifier) reports when the connection breaks under a write; the
 # verifier's own INTERNAL statuses say "verifier error: ...".

@@ -111,7 +111,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         limits, engine = self.config.limits, self.engine
-        info = ModelInfo(engine.info, limits.max_gamma, self.config.max_message_bytes, engine.numerics)
+        info = ModelInfo(
+            engine.info,
+            limits.max_gamma,
+            self.config.max_message_bytes,
+            engine.numerics,
+            thin_sessions=limits.thin_sessions,
+        )
         return wire.model_info_to_proto(info)
 
     async def GetStats(self, request, context) -> pb.ServerStats:
@@ -145,6 +151,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             stale_proposals=s.stale_proposals,
             thin_sessions=s.thin_sessions,
             plain_steps=s.plain_steps,
+            handoffs=s.handoffs,
             refusals=self.refusals,
             batch_seconds_counts=b.seconds_counts,
             batch_size_counts=b.size_counts,

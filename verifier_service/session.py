@@ -67,6 +67,9 @@ class VerifierLimits:
     # A thin session is decoded at most this many tokens (plus one round) past what its edge has read
     # (its last Read): one whose edge reads nothing costs the engine a bounded share, then waits.
     read_ahead: int = 64
+    # Thin sessions at all: an operator may keep the engine for edges that draft (each thin token is a
+    # forward); edges then speculate, and fall back to plain steps where speculation does not pay.
+    thin_sessions: bool = True
 
 
 @dataclass
@@ -88,6 +91,7 @@ class VerifierStats:
     stale_proposals: int = 0
     thin_sessions: int = 0  # sessions the verifier decoded itself
     plain_steps: int = 0  # edge sessions' verified rounds of no draft token (speculation off)
+    handoffs: int = 0  # thin sessions an edge handed over while its speculation did not pay
 
     @property
     def target_positions_per_token(self) -> float:
@@ -116,18 +120,7 @@ class VerifierSession:
         self.key = key or f"s{next(_keys)}"
         self.owner = owner
         info = batcher.info
-        if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != info.vocabulary.fingerprint:
-            raise WrongState(
-                f"vocabulary mismatch: the draft has {spec.vocab_size} tokens, fingerprint "
-                f"{spec.tokenizer_fingerprint[:16]}; the target {info.target_id!r} has "
-                f"{info.vocabulary.describe()}"
-            )
-        numerics = batcher.engine.numerics.identity
-        if spec.numerics and spec.numerics != numerics:
-            raise WrongState(
-                f"this session was verified with numerics {spec.numerics}; this verifier computes "
-                f"{numerics}, which could give other tokens: it cannot continue the session here"
-            )
+        self._check_served(spec, limits, info, batcher.engine.numerics.identity)
         # Lengths first: an oversized open is refused before anything looks at its ids.
         prompt_length = len(spec.prompt_token_ids)
         self.check_lengths(info, prompt_length, spec.max_new_tokens)
@@ -157,6 +150,27 @@ class VerifierSession:
         self.finish: Finish | None = None
         self.target_positions = 0  # positions the target computed for this session
         self.reused_positions = 0  # prefill positions taken from a kept cache
+
+    @staticmethod
+    def _check_served(spec: SessionSpec, limits: VerifierLimits, info, numerics: str) -> None:
+        """Raises WrongState when this verifier cannot serve the session at all: thin sessions turned
+        off, another vocabulary, or (a resume) other numerics."""
+        if spec.thin and not limits.thin_sessions:
+            raise WrongState(
+                f"this verifier decodes no thin session (drafting {spec.drafting.value}): "
+                "its operator keeps it for edges that draft"
+            )
+        if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != info.vocabulary.fingerprint:
+            raise WrongState(
+                f"vocabulary mismatch: the draft has {spec.vocab_size} tokens, fingerprint "
+                f"{spec.tokenizer_fingerprint[:16]}; the target {info.target_id!r} has "
+                f"{info.vocabulary.describe()}"
+            )
+        if spec.numerics and spec.numerics != numerics:
+            raise WrongState(
+                f"this session was verified with numerics {spec.numerics}; this verifier computes "
+                f"{numerics}, which could give other tokens: it cannot continue the session here"
+            )
 
     @staticmethod
     def check_lengths(info, prompt_length: int, max_new_tokens: int) -> None:
@@ -192,6 +206,7 @@ class VerifierSession:
             admit(session)
         session.stats.sessions_opened += 1
         session.stats.thin_sessions += spec.thin
+        session.stats.handoffs += spec.thin and spec.handoff
         batcher.join(session.key)
         try:
             prefix = session.committed[:-1]

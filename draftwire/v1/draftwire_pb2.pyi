@@ -30,7 +30,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics", "plain_steps")
+    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics", "plain_steps", "thin_sessions")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ModelInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    THIN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -51,7 +52,8 @@ class ModelInfo(_message.Message):
     max_message_bytes: int
     numerics: Numerics
     plain_steps: bool
-    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ..., plain_steps: _Optional[bool] = ...) -> None: ...
+    thin_sessions: bool
+    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ..., plain_steps: _Optional[bool] = ..., thin_sessions: _Optional[bool] = ...) -> None: ...
 
 class Numerics(_message.Message):
     __slots__ = ("dtype", "kernels", "device", "exact", "identity")
@@ -115,7 +117,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics", "top_logprobs")
+    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics", "top_logprobs", "handoff")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class OpenSession(_message.Message):
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stop: StopConditions
@@ -134,7 +137,8 @@ class OpenSession(_message.Message):
     drafting: Drafting
     numerics: str
     top_logprobs: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    handoff: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., handoff: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids")
@@ -231,7 +235,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics", "plain_steps")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics", "plain_steps", "handoffs")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +268,7 @@ class ServerStats(_message.Message):
     GAMMA_CAP_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -289,4 +294,5 @@ class ServerStats(_message.Message):
     gamma_cap: int
     numerics: _containers.RepeatedCompositeFieldContainer[Numerics]
     plain_steps: int
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
+    handoffs: int
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ..., plain_steps: _Optional[int] = ..., handoffs: _Optional[int] = ...) -> None: ...

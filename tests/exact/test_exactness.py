@@ -202,6 +202,8 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
             "gamma_cap",
             "min_gamma_cap",
             "plain_steps",
+            "server_tokens",
+            "handoffs",
             "speculation_gain",
             "speculation",
             "speculation_reason",

@@ -270,6 +270,36 @@ def test_a_thin_read_out_of_bounds_is_refused(server):
     assert error.code() == INVALID and "read up to 99" in error.details()
 
 
+def test_a_verifier_without_thin_sessions_says_so_and_refuses_them(info):
+    """`serve --no-thin-sessions`: ModelInfo says so (edges then fall back to plain steps, not hand-offs),
+    a thin open is refused with FAILED_PRECONDITION, and an edge's session still runs."""
+    limits = VerifierLimits(max_gamma=8, thin_sessions=False)
+    with InProcessServer(engine(), ServerConfig(port=0, limits=limits)) as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            strict = pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+        _, error = asyncio.run(exchange(srv.address, [pb.EdgeMessage(open=thin_spec(4))]))
+        replies, ended = asyncio.run(exchange(srv.address, [open_msg(strict), proposal(1, START, [])]))
+    assert info.thin_sessions and info.plain_steps and not strict.thin_sessions
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "decodes no thin session (drafting none)" in error.details()
+    assert ended is None and replies[-1].verdict.committed_length == START + 1
+
+
+def test_a_hand_off_is_a_thin_session_counted_apart(server):
+    def counts() -> tuple[int, int]:
+        with grpc.insecure_channel(server.address) as channel:
+            s = pb_grpc.VerifierStub(channel).GetStats(pb.StatsRequest())
+            return s.thin_sessions, s.handoffs
+
+    before = counts()
+    handoff = thin_spec(4)
+    handoff.handoff = True
+    for spec in (handoff, thin_spec(4)):
+        replies, error = asyncio.run(exchange(server.address, [pb.EdgeMessage(open=spec)]))
+        assert error is None and replies[-1].verdict.finish_reason == pb.FINISH_REASON_LENGTH
+    assert counts() == (before[0] + 2, before[1] + 1)
+
+
 # Helpers.
 
 

@@ -161,6 +161,7 @@ class RowRun:
         row.drafts_per_round = sum(s.drafts for s in all_stats) / rounds
         row.restarts_per_round = sum(s.restarts for s in all_stats) / rounds
         row.plain_steps = sum(s.plain_steps for s in all_stats)
+        row.server_tokens = sum(s.server_tokens for s in all_stats)
         row.speculation_offs, row.probes, row.speculation_reason = tuner.offs, tuner.probes, tuner.reason
         return row
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from draftwire.contract import ModelInfo, Verdict
 from edge_client.adaptive import Tuner
 from edge_client.planner import GenerationRequest, Planner
-from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info
+from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info, successor
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,15 @@ def tokens_per_second(
     tokens: int = 1000,
     seed: int = 0,
     tuner: Tuner | None = None,
+    hand_off: bool = False,
 ) -> float:
     """Committed tokens per virtual second of one generation of `tokens` at (γ, depth), each draft
     token (and each guessed bonus) right with probability `acceptance` (or `acceptance(i)` at the i-th
     generated token), independently. A γ or depth of
     None is the tuner's to choose, fed through the planner as EdgeSession feeds it: each draft call's
-    time, each verdict's forward and its round trip."""
+    time, each verdict's forward and its round trip. `hand_off`: speculation off hands the session to
+    the verifier (a leg: a round trip to open, then one forward a token, streamed), as EdgeSession does,
+    after which a new planner takes it back."""
     rng = random.Random(seed)
     prompt = [5, 6, 7]
 
@@ -59,7 +62,7 @@ def tokens_per_second(
         fake_info(max_context=len(prompt) + tokens + 64), max_gamma=16, max_message_bytes=1 << 20
     )
     request = GenerationRequest(prompt, max_new_tokens=tokens, gamma=gamma, ignore_eos=True, pipeline=depth)
-    plan = Planner(request, info, tuner=tuner)
+    plan = Planner(request, info, tuner=tuner, hand_off=hand_off)
     verifier, drafter = (
         FakeVerifier(request.spec(), max_context=info.target.max_context),
         MistakenDrafter(wrong),
@@ -79,7 +82,22 @@ def tokens_per_second(
             server_free = max(now + scaled(costs.rtt / 2), server_free) + forward
             verdict = dataclasses.replace(verdict, verify_seconds=forward)
             coming.append((server_free + scaled(costs.rtt / 2), verdict))
-        elif (job := plan.next_draft()) is not None:
+        elif (job := plan.next_draft()) is not None and job.handoff:
+            generated = plan.committed[len(prompt) :]
+            for _ in range(job.handoff):  # the verifier decodes alone: the fake target's own tokens
+                generated.append(successor(generated[-1] if generated else prompt[-1]))
+                forward = scaled(costs.verify_fixed + costs.verify_position)
+                plan.tuner.observe_verify(0, forward)
+                now += forward
+            now += scaled(costs.rtt)
+            plan.tuner.observe_leg(job.handoff)
+            plan.stats.generated_tokens += job.handoff
+            if len(generated) >= tokens:
+                break
+            plan = Planner(request, info, generated, plan.stats, plan.tuner, hand_off)
+            coming.clear()  # verdicts of stale proposals: the stream handed off was cancelled
+            verifier = FakeVerifier(request.spec(generated), max_context=info.target.max_context)
+        elif job is not None:
             drafted = drafter.propose(job.base, job.gamma, request.sampling, plan.stops)
             # A plain step (γ 0) calls no drafter (EdgeSession._draft).
             seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma) if job.gamma else 0.0

@@ -36,6 +36,13 @@ def verifier():
         yield server
 
 
+@pytest.fixture(scope="module")
+def drafting_only_verifier():
+    """A verifier that decodes no thin session: speculation off falls back to plain steps there."""
+    with ServerProcess(DEMO / "target", "--no-thin-sessions", executable=VERIFIER) as server:
+        yield server
+
+
 @functools.cache  # one `reference` process per prompt and sampling: the rtt arms share theirs
 def _reference(prompt: tuple[int, ...], params: SamplingParams, new: int = NEW) -> list[int]:
     argv = [VERIFIER, "reference", "--target", str(DEMO / "target"), "--json", "--ignore-eos"]
@@ -99,11 +106,15 @@ def test_cli_generate_is_adaptive_by_default_and_exact(verifier):
     assert edge["token_ids"] == alone and len(alone) == 40
 
 
+@pytest.mark.parametrize("fallback", ["hand-off", "plain-steps"])
 @pytest.mark.parametrize("mode", SAMPLINGS)
-def test_speculation_turned_off_by_a_wrong_draft_changes_no_token(verifier, mode):
-    """A draft wrong on purpose (every token shifted): the tuner turns speculation off, the edge sends
-    plain steps, probes, and the output still equals the target alone's."""
+def test_speculation_turned_off_by_a_wrong_draft_changes_no_token(request, mode, fallback):
+    """A draft wrong on purpose (every token shifted): the tuner turns speculation off and probes, and the
+    output still equals the target alone's, whether the verifier decodes the legs between probes alone
+    (thin sessions resumed from the committed tokens) or, where it decodes no thin session, the edge
+    sends plain steps."""
     params = SAMPLINGS[mode]
+    verifier = request.getfixturevalue("verifier" if fallback == "hand-off" else "drafting_only_verifier")
 
     async def run():
         right = LlamaDrafter(DrafterConfig(DEMO / "draft-q8_0.gguf", n_threads=1))
@@ -119,5 +130,10 @@ def test_speculation_turned_off_by_a_wrong_draft_changes_no_token(verifier, mode
 
     ids, stats, tuner = asyncio.run(run())
     assert ids == _reference(PROMPTS[0], params, 64)
-    assert tuner.offs >= 1 and tuner.probes >= 1 and stats.plain_steps > 20
-    assert stats.as_json()["plain_steps"] == stats.plain_steps and stats.speculation_reason
+    assert tuner.offs >= 1 and tuner.probes >= 1 and stats.speculation_reason
+    report = stats.as_json()
+    if fallback == "hand-off":
+        assert stats.legs >= 2 and stats.server_tokens > 20 and stats.plain_steps == 0
+        assert tuner.server_tokens == stats.server_tokens and report["server_tokens"] == stats.server_tokens
+    else:
+        assert stats.plain_steps > 20 and stats.legs == 0 and report["plain_steps"] == stats.plain_steps

@@ -327,18 +327,36 @@ def test_speculation_turns_off_where_it_does_not_pay_and_beats_every_fixed_setti
 @pytest.mark.parametrize("draft", DRAFTS)
 @pytest.mark.parametrize("rtt_ms", [1.5, 31.5])
 @pytest.mark.parametrize("alpha", [0.6, 0.95])
-def test_the_fallback_costs_nothing_where_speculation_pays(draft, rtt_ms, alpha):
-    """A right draft: speculation never turns off, and the policy makes what it makes without the
-    fallback (within 2 %)."""
+@pytest.mark.parametrize("hand_off", [False, True], ids=["plain-steps", "hand-off"])
+def test_the_fallback_costs_nothing_where_speculation_pays(draft, rtt_ms, alpha, hand_off):
+    """A right draft: speculation never turns off at α 0.95, and the policy makes at least what it makes
+    without the fallback (within 2 %). Handed to the verifier at 31.5 ms, α 0.6 makes more: 46 tokens/s
+    against 31 (SmolLM2's draft costs), since the verifier's legs pay no round trip a token."""
     costs = timeline_costs(draft, rtt_ms)
     tuner = Tuner()
-    with_fallback = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=tuner)
+    with_fallback = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=tuner, hand_off=hand_off)
     without = timeline.tokens_per_second(
         costs, alpha, None, None, 1000, tuner=Tuner(TunerConfig(plain=False))
     )
     if alpha > 0.9:  # where speculation barely pays (α 0.6 on SmolLM2's costs) a probe may be wrong
         assert tuner.offs == 0 and tuner.plain_steps == 0 and tuner.state == "on"
     assert with_fallback >= 0.98 * without, (with_fallback, without, tuner.offs)
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_handing_off_to_the_verifier_beats_plain_steps_where_round_trips_are_dear(draft):
+    """A wrong draft at 31.5 ms RTT: plain steps pay a round trip a token; handed to the verifier in
+    legs (a round trip each, then a forward a token, streamed), speculation off makes more than twice
+    as much (45-47 tokens/s against 19), near the verifier's own one-step rate, and probes between legs."""
+    costs = timeline_costs(draft, 31.5)
+    stepping, handing = Tuner(), Tuner()
+    plain = timeline.tokens_per_second(costs, 0.05, None, None, 1000, tuner=stepping)
+    handed = timeline.tokens_per_second(costs, 0.05, None, None, 1000, tuner=handing, hand_off=True)
+    one_step = 1 / (costs.verify_fixed + costs.verify_position)
+    assert handed > 2 * plain and handed > 0.8 * one_step, (handed, plain, one_step)
+    assert handing.legs >= 3 and handing.server_tokens > 800 and handing.probes >= 2
+    assert handing.plain_steps == 0 and stepping.plain_steps > 0 and stepping.legs == 0
+    assert handing.reason.startswith(("speculation off: decoding on the verifier", "probing"))
 
 
 def test_a_probe_turns_speculation_back_on_when_the_draft_recovers():
