@@ -237,6 +237,13 @@ def add_limits(p: argparse.ArgumentParser) -> None:
         help="while other sessions are open, a batch's prefill takes at most this share of a round's "
         "time (measured), so rounds are not stuck behind long prompts",
     )
+    g.add_argument(
+        "--max-prefill-s",
+        type=bounded(float, 0, what="0 (off) or more"),
+        default=0.5,
+        help="while no session plays rounds, a batch of prefill takes about this long at most (measured), "
+        "so a session that opens beside a long prompt waits about that long for its turn",
+    )
     _add_thin_limits(g)
     g.add_argument(
         "--max-stale-in-a-row", type=count, default=64, help="stale proposals in a row that end a session"

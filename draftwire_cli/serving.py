@@ -43,6 +43,7 @@ def serve(args) -> int:
             window_s=args.batch_window_ms / 1000,
             max_prefill_positions=args.max_prefill_positions,
             prefill_share=args.prefill_share,
+            max_prefill_s=args.max_prefill_s,
         ),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

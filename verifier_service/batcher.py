@@ -72,6 +72,12 @@ class BatchConfig:
     # attention), so a rate learned early in a long prompt would overshoot late in it. 0: off.
     prefill_share: float = 0.5
     min_prefill_positions: int = 1
+    # While no session plays rounds, a batch of prefill alone aims to take at most this long, so that a
+    # session opening meanwhile waits about that long for its own prefill, not for a chunk of
+    # max_prefill_positions at long context (seconds on a CPU). Measured like the share above: the
+    # chunk halves after a batch over it, and grows by a quarter after one under half of it with its
+    # chunk full (up to max_prefill_positions). 0: positions only.
+    max_prefill_s: float = 0.5
 
 
 @dataclass
@@ -112,6 +118,7 @@ class Batcher:
         self._round_s: float | None = None  # a batch's rounds' time, smoothed (None: none measured yet)
         self._rounds_at: dict[str, float] = {}  # session -> when it last sent a round (event loop time)
         self._chunk = float(config.min_prefill_positions)  # timed prefill positions a batch (prefill_room)
+        self._idle_chunk = float(config.max_prefill_positions)  # the same while no session plays rounds
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -272,23 +279,30 @@ class Batcher:
     def _measure(self, forwards: list[Forward], seconds: float) -> None:
         """Learns the rounds' time (from batches of rounds alone) and sizes the next prefill chunk from
         the last mixed batch's time: halved when over (1 + prefill_share) × the rounds' time, one
-        position more when within it with its chunk full."""
+        position more when within it with its chunk full. A batch of prefill alone sizes the chunk
+        for while nobody plays rounds against max_prefill_s the same way (a quarter more when under
+        half of it)."""
         positions = sum(len(f.token_ids) for f in forwards if not f.wants_logits)
         if positions == 0:
             self._round_s = _smooth(self._round_s, seconds)
             return
         c = self.config
-        if self._round_s and any(f.wants_logits for f in forwards):
-            if seconds > (1 + c.prefill_share) * self._round_s:
+        if any(f.wants_logits for f in forwards):
+            if self._round_s and seconds > (1 + c.prefill_share) * self._round_s:
                 self._chunk = max(float(c.min_prefill_positions), self._chunk / 2)
-            elif positions >= int(self._chunk):
+            elif self._round_s and positions >= int(self._chunk):
                 self._chunk += 1
+        elif c.max_prefill_s and seconds > c.max_prefill_s:
+            self._idle_chunk = max(float(c.min_prefill_positions), self._idle_chunk / 2)
+        elif c.max_prefill_s and 2 * seconds < c.max_prefill_s and positions >= int(self._idle_chunk):
+            self._idle_chunk = min(float(c.max_prefill_positions), 1.25 * self._idle_chunk + 1)
 
     def prefill_room(self) -> tuple[int | None, bool]:
-        """Prefill positions the next batch may run (None: no limit), and whether time bounds them:
-        max_prefill_positions, and while sessions play rounds (one in the last ACTIVE_S) the chunk that
-        keeps a mixed batch near (1 + prefill_share) × the rounds' time (`_measure`). Idle sessions do
-        not slow a prefill down."""
+        """Prefill positions the next batch may run (None: no limit), and whether rounds' time bounds
+        them: max_prefill_positions, and while sessions play rounds (one in the last ACTIVE_S) the chunk
+        that keeps a mixed batch near (1 + prefill_share) × the rounds' time; while none does, the
+        chunk that keeps a batch near max_prefill_s (`_measure`). Idle sessions slow a prefill down only
+        to that bound."""
         c = self.config
         room = c.max_prefill_positions or None
         horizon = asyncio.get_running_loop().time() - ACTIVE_S
@@ -296,6 +310,8 @@ class Batcher:
         if c.prefill_share and active and self._round_s:
             timed = max(c.min_prefill_positions, int(self._chunk))
             return (timed if room is None else min(room, timed)), True
+        if room is not None and c.max_prefill_s:
+            room = min(room, max(c.min_prefill_positions, int(self._idle_chunk)))
         return room, False
 
     def _run_batch(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:

@@ -8,9 +8,10 @@ from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import Forward
 
 
-def run(config: BatchConfig, scenario):
-    """Runs `scenario(batcher)` on a fresh batcher over a fake engine; returns (its result, engine)."""
-    engine = FakeEngine()
+def run(config: BatchConfig, scenario, engine: FakeEngine | None = None):
+    """Runs `scenario(batcher)` on a fresh batcher over a fake engine (a FakeEngine unless given);
+    returns (its result, engine)."""
+    engine = engine if engine is not None else FakeEngine()
 
     async def main():
         batcher = Batcher(engine, config)
@@ -118,6 +119,26 @@ def test_a_long_prefill_runs_in_chunks_and_a_round_queued_behind_it_joins_the_fi
     assert [(f.keep, len(f.token_ids)) for f in chunks] == [(0, 100), (100, 100), (200, 50)]
     assert engine.held["b"] == 250  # the chunks add up to the whole prefill, in order
     assert sorted(f.key for f in engine.batches[1]) == ["a", "b"]  # the round did not wait for the rest
+
+
+def test_with_no_round_played_a_prefill_batch_is_bounded_by_time_too():
+    """No session plays rounds: the chunk halves after a batch over max_prefill_s (a position costs 1 ms
+    here, the bound 30 ms), so a session opening meanwhile waits about that long, not for chunks of
+    max_prefill_positions; with the bound off (0) chunks stay at max_prefill_positions."""
+
+    async def scenario(batcher):
+        batcher.join("l")
+        await batcher.forward(Forward("l", 0, tuple(range(1, 401)), wants_logits=False))
+
+    def chunks(max_prefill_s):
+        config = BatchConfig(window_s=0, max_prefill_positions=100, max_prefill_s=max_prefill_s)
+        _, engine = run(config, scenario, PositionCostEngine())
+        assert engine.held == {"l": 400}
+        return [len(f.token_ids) for b in engine.batches for f in b]
+
+    bounded = chunks(0.03)
+    assert bounded[:3] == [100, 50, 25] and max(bounded[3:]) <= 25, bounded
+    assert chunks(0) == [100] * 4
 
 
 def test_a_short_prompt_is_prefilled_before_the_chunks_left_of_a_long_one():

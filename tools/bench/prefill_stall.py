@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alone-s", type=float, default=5.0)
     p.add_argument("--renew", type=int, default=50, help="the bystander's rounds a session")
     p.add_argument("--shares", default="0.5,0", help="the --prefill-share of each arm")
+    p.add_argument("--prefill-s", help="each arm's --max-prefill-s instead (--prefill-share at its default)")
     p.add_argument("--verifier-cpu", type=int, default=1)
     p.add_argument("--thin", type=int, default=0, help="flood with this many unread thin sessions instead")
     p.add_argument("--thin-tokens", type=int, default=1000, help="new tokens each thin session asks for")
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         flag, values = "--thin-read-ahead", args.read_aheads
     elif args.refused:
         flag, values = "--max-refused-opens-per-s", args.refusal_limits
+    elif args.prefill_s:
+        flag, values = "--max-prefill-s", args.prefill_s
     for value in values.split(","):
         extra = ["--dtype", "float32", flag, value, "--prefix-cache-mb", "0", "--max-sessions", "512"]
         extra += ["--max-sessions-per-client", "512", "--client-kv-share", "1"]
