@@ -8,6 +8,7 @@ import random
 import pytest
 
 from draftwire.contract import ModelInfo
+from draftwire.speculation import AcceptanceCounts
 from edge_client.adaptive import (
     CostLine,
     Estimates,
@@ -79,6 +80,24 @@ def test_a_verify_cost_per_position_shortens_γ():
     assert steep[0] < flat[0]
 
 
+def test_acceptance_in_runs_lends_later_positions_the_later_rate():
+    """A draft right at its first token 30 % of the time and then 90 % (acceptance in runs, as on the Qwen
+    pair's haiku prompts): a position seldom or never reached borrows the later positions' rate, not the
+    first's, so long drafts are not written off; independent positions keep one rate for all."""
+    rng = random.Random(3)
+    runs, independent = AcceptanceCounts(10, 0.05, 0.6, 2.0), AcceptanceCounts(10, 0.05, 0.6, 2.0)
+    for _ in range(400):
+        first = rng.random() < 0.3
+        runs.round(6, 0 if not first else next((i for i in range(1, 6) if rng.random() > 0.9), 6))
+        independent.round(6, next((i for i in range(6) if rng.random() > 0.7), 6))
+    # The counts remember about 20 rounds, so a rate is within about ±0.1; borrowing the first position's
+    # rate (before) gave 0.46 for the never-reached positions and 0.63 on average for positions 1-5.
+    a = runs.rates()
+    assert a[0] < 0.4 and sum(a[1:6]) / 5 > 0.68 and a[9] > 0.6, a  # position 9: never reached
+    b = independent.rates()
+    assert max(b) - min(b) < 0.2 and all(0.5 < x < 0.8 for x in b), b
+
+
 def test_cost_line_fits_a_line_and_guesses_from_one_size():
     line = CostLine(smoothing=0.2, fixed_share=0.5)
     assert line(4) == 0.0
@@ -115,12 +134,16 @@ class SimulatedEdge:
 def test_the_estimates_converge_on_the_measured_edge():
     edge = SimulatedEdge(alpha=0.7, draft_ms=2, verify_fixed_ms=6, verify_position_ms=1, rtt_ms=30)
     tuner = Tuner(TunerConfig(smoothing=0.01))
+    seen = []  # α_0, α_1 over the last 1000 rounds: the counts remember about 20 rounds, so any one
+    # round's estimate is within about ±0.1 (one snapshot, the former check, passed or not by chance)
     for i in range(5000):
         gamma, _ = tuner.choose()
         edge.round(tuner, gamma, queued=i % 2 == 1)
+        if i >= 4000:
+            seen.append(tuner.acceptance()[:2])
     est = tuner.estimates()
-    assert est.acceptance[0] == pytest.approx(0.7, abs=0.06)
-    assert est.acceptance[1] == pytest.approx(0.7, abs=0.08)
+    assert sum(a for a, _ in seen) / len(seen) == pytest.approx(0.7, abs=0.04)
+    assert sum(b for _, b in seen) / len(seen) == pytest.approx(0.7, abs=0.06)
     assert est.rtt_s == pytest.approx(0.030, rel=0.1)  # queued rounds do not inflate it
     assert est.draft(4) == pytest.approx(0.008, rel=0.15)
     assert est.verify(4) == pytest.approx(0.006 + 0.005, rel=0.15)
@@ -236,13 +259,13 @@ def test_a_fixed_request_keeps_its_setting_while_its_verdicts_teach_the_tuner():
 def test_a_pipelined_plan_teaches_the_tuner_its_guesses_of_the_bonus():
     """A round of γ tokens never judges draft position γ; the successor's guess of the bonus does, and
     q(γ) needs it. With a drafter that is always right, position γ (judged by the guesses) ends above
-    position γ + 1 (never judged: the pooled rate)."""
+    position γ + 1 (never judged: the later positions' pooled rate)."""
     tuner = Tuner()
     request = GenerationRequest(PROMPT, max_new_tokens=60, gamma=2, ignore_eos=True, pipeline=1)
     plan, _ = drive(request, INFO, MistakenDrafter(()), lag=60, tuner=tuner)  # verdicts when it must wait
     assert plan.stats.sent_ahead > 5
     alpha = tuner.acceptance()
-    assert alpha[2] > alpha[3] + 0.01 and alpha[3] == alpha[4]
+    assert alpha[2] > alpha[3] and alpha[3] == alpha[4]
 
 
 # The model against the planner's own pipelining on a virtual clock (tools.testkit.timeline): known
