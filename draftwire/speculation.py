@@ -20,21 +20,11 @@ def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
     return total
 
 
-LATER_POOL_WEIGHT = 4
-
-
 class AcceptanceCounts:
     """α_i, the acceptance of draft position i given positions 0..i-1 accepted: counts per position
     that decay each round (so a position not reached lately fades back to the pooled rate), shrunk
-    towards a pooled rate (so a position seldom reached borrows from the others), with a prior worth
-    `prior_weight` observations at `prior` before anything is seen.
-
-    Position 0 borrows from every position's pool, the later ones from the pool of positions after the
-    first (itself shrunk towards the whole pool). A real draft's acceptance comes in runs: once it has
-    the first token right it is more often right again (on the Qwen pair's haiku prompts, 0.3 of draft
-    tokens accepted at γ 6 where independent positions at the first one's rate would give 0.07). Deep
-    positions are seldom reached there, so borrowing the first position's rate made long drafts look
-    worthless, and the tuner stopped at γ 2-3 where γ 4-6 made 4-12 % more."""
+    towards the pooled rate (so a position seldom reached borrows from the others), with a prior worth
+    `prior_weight` observations at `prior` before anything is seen."""
 
     def __init__(self, positions: int, decay: float, prior: float, prior_weight: float):
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
@@ -60,14 +50,7 @@ class AcceptanceCounts:
         """α_i for every position."""
         w = self.prior_weight
         pooled = (sum(self._accepted) + self.prior * w) / (sum(self._reached) + w)
-        # The later positions' pool weighs the whole pool as LATER_POOL_WEIGHT priors: with positions
-        # independent and times noisy, a lighter one let the choice wander among three settings.
-        lw = LATER_POOL_WEIGHT * w
-        later = (sum(self._accepted[1:]) + pooled * lw) / (sum(self._reached[1:]) + lw)
-        return tuple(
-            (a + (pooled if i == 0 else later) * w) / (n + w)
-            for i, (a, n) in enumerate(zip(self._accepted, self._reached, strict=True))
-        )
+        return tuple((a + pooled * w) / (n + w) for a, n in zip(self._accepted, self._reached, strict=True))
 
 
 class CostLine:

@@ -305,7 +305,12 @@ class Planner:
         self.stats.step_s = self.tuner.verify(1)  # V(1), the target's one-step time (0 before any)
         if arrived is not None and sent.sent_s is not None:
             self.stats.round_s.append(arrived - sent.sent_s)
-            self.tuner.observe_round(self.stats.round_s[-1], verdict.verify_seconds, sent.queued)
+            # A stream's first proposal leaves with the open, so its verdict also waited for the open's
+            # prefill (a whole prompt, unless a kept cache holds it), which no round trip includes: it
+            # teaches the tuner nothing. Counted, a cold prompt's prefill of a second or two moved the
+            # estimate by a tenth of that at every generation's start (and set it, for a new tuner).
+            if sent.round > 1:
+                self.tuner.observe_round(self.stats.round_s[-1], verdict.verify_seconds, sent.queued)
         after = self.in_flight[0] if self.in_flight else self.drafted
         bonus = verdict.target_token_id
         if verdict.accepted == len(sent.draft) and bonus is not None and after and after.assumed:

@@ -58,10 +58,11 @@ async def interleaved(config, drafter, address, upstream, mode, rtt, settings, t
     adaptive one its tuner) across the prompts, and the order rotates from prompt to prompt, so a burst
     of load falls on every setting alike and none always runs first.
 
-    Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache and the
-    verifier's prefix cache. Without it the turn's first row paid both prefills (about 200 ms of
-    llama.cpp on one core for a 40-token chat prompt) and every later row reused them: the first row of
-    the first prompt, the adaptive one, paid them at every point.
+    Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache.
+    Without it the turn's first row paid the drafter's prefill (about 200 ms of llama.cpp on one core for
+    a 40-token chat prompt) and every later row reused it: the first row of the first prompt, the
+    adaptive one, paid it at every point. The verifier keeps caches per connection for anonymous
+    clients, so every row pays the prompt's prefill on the verifier in its first round, alike.
 
     `tuners`: a TunerConfig per setting (None: the default tuner's)."""
     async with contextlib.AsyncExitStack() as stack:

@@ -128,6 +128,7 @@ class Row:
     probes: int = 0
     speculation_reason: str = ""  # the tuner's last reason
     model_tokens_per_s: float | None = None  # what the edge's tuner predicted for the row's (final) setting
+    tuner_rtt_ms: float | None = None  # the tuner's round-trip estimate (R) at the row's end
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     bound_tokens_per_s: float | None = None  # zero_overhead_bound
     share_of_bound: float | None = None  # tokens/s over the bound

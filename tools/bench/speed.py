@@ -163,6 +163,7 @@ class RowRun:
         row.plain_steps = sum(s.plain_steps for s in all_stats)
         row.server_tokens = sum(s.server_tokens for s in all_stats)
         row.speculation_offs, row.probes, row.speculation_reason = tuner.offs, tuner.probes, tuner.reason
+        row.tuner_rtt_ms = 1000 * tuner.rtt_s if tuner.rtt_s is not None else None
         return row
 
 

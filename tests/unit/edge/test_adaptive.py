@@ -3,12 +3,12 @@ they call for, the estimates converging on a simulated edge, no thrashing, and t
 unchanged whatever it chooses. Torch-free: CI runs these in the edge-only environment too.
 """
 
+import dataclasses
 import random
 
 import pytest
 
 from draftwire.contract import ModelInfo
-from draftwire.speculation import AcceptanceCounts
 from edge_client.adaptive import (
     CostLine,
     Estimates,
@@ -78,24 +78,6 @@ def test_a_verify_cost_per_position_shortens_γ():
     flat = best_setting(case(alpha=0.8, draft_ms=1, verify_ms=10), GAMMAS, range(1))
     steep = best_setting(case(alpha=0.8, draft_ms=1, verify_ms=2, verify_position_ms=8), GAMMAS, range(1))
     assert steep[0] < flat[0]
-
-
-def test_acceptance_in_runs_lends_later_positions_the_later_rate():
-    """A draft right at its first token 30 % of the time and then 90 % (acceptance in runs, as on the Qwen
-    pair's haiku prompts): a position seldom or never reached borrows the later positions' rate, not the
-    first's, so long drafts are not written off; independent positions keep one rate for all."""
-    rng = random.Random(3)
-    runs, independent = AcceptanceCounts(10, 0.05, 0.6, 2.0), AcceptanceCounts(10, 0.05, 0.6, 2.0)
-    for _ in range(400):
-        first = rng.random() < 0.3
-        runs.round(6, 0 if not first else next((i for i in range(1, 6) if rng.random() > 0.9), 6))
-        independent.round(6, next((i for i in range(6) if rng.random() > 0.7), 6))
-    # The counts remember about 20 rounds, so a rate is within about ±0.1; borrowing the first position's
-    # rate (before) gave 0.46 for the never-reached positions and 0.63 on average for positions 1-5.
-    a = runs.rates()
-    assert a[0] < 0.4 and sum(a[1:6]) / 5 > 0.68 and a[9] > 0.6, a  # position 9: never reached
-    b = independent.rates()
-    assert max(b) - min(b) < 0.2 and all(0.5 < x < 0.8 for x in b), b
 
 
 def test_cost_line_fits_a_line_and_guesses_from_one_size():
@@ -256,16 +238,33 @@ def test_a_fixed_request_keeps_its_setting_while_its_verdicts_teach_the_tuner():
     assert tuner.acceptance() != Tuner().acceptance()  # the rounds moved the estimates off the prior
 
 
+def test_the_round_sent_with_the_open_does_not_teach_the_round_trip():
+    """The first proposal leaves with the open and its verdict waits for the prompt's prefill (2 s here);
+    the round trip is learnt from the rounds after it (30 ms), not inflated by the prefill."""
+    tuner = Tuner()
+    request = GenerationRequest(PROMPT, max_new_tokens=20, gamma=2, ignore_eos=True, pipeline=0)
+    plan = Planner(request, INFO, tuner=tuner)
+    verifier, drafter = FakeVerifier(request.spec()), MistakenDrafter(())
+    now = 0.0
+    while not plan.finished:
+        job = plan.next_draft()
+        plan.add_draft(job, drafter.propose(job.base, job.gamma, request.sampling, plan.stops), 0.001)
+        proposal = plan.next_proposal(now)
+        now += 2.0 if proposal.round == 1 else 0.040  # the prefill, then 30 ms and a 10 ms forward
+        plan.apply(dataclasses.replace(verifier.answer(proposal), verify_seconds=0.010), now)
+    assert tuner.rtt_s == pytest.approx(0.030)
+
+
 def test_a_pipelined_plan_teaches_the_tuner_its_guesses_of_the_bonus():
     """A round of γ tokens never judges draft position γ; the successor's guess of the bonus does, and
     q(γ) needs it. With a drafter that is always right, position γ (judged by the guesses) ends above
-    position γ + 1 (never judged: the later positions' pooled rate)."""
+    position γ + 1 (never judged: the pooled rate)."""
     tuner = Tuner()
     request = GenerationRequest(PROMPT, max_new_tokens=60, gamma=2, ignore_eos=True, pipeline=1)
     plan, _ = drive(request, INFO, MistakenDrafter(()), lag=60, tuner=tuner)  # verdicts when it must wait
     assert plan.stats.sent_ahead > 5
     alpha = tuner.acceptance()
-    assert alpha[2] > alpha[3] and alpha[3] == alpha[4]
+    assert alpha[2] > alpha[3] + 0.01 and alpha[3] == alpha[4]
 
 
 # The model against the planner's own pipelining on a virtual clock (tools.testkit.timeline): known
