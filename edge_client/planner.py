@@ -153,6 +153,7 @@ class InFlight:
     final: bool  # its verdict may finish the session: nothing is drafted on top of it
     round: int = 0  # set when sent
     queued: bool = False  # sent while others were in flight: it may wait behind their forwards
+    opening: bool = False  # sent before the stream's first verdict: it may wait for the open's prefill
     sent_s: float | None = None  # when it was sent (the transport's clock), if the transport says
 
     def builds_on(self, committed: Sequence[int]) -> bool:
@@ -206,6 +207,7 @@ class Planner:
         self.finished = False
         self._blocked = -1  # a base length whose guess was a stop token: wait for verdicts there
         self._first_draft = True  # the stream's first drafter call, which also feeds it the prompt
+        self._answered = False  # a verdict came back on this stream
         self._rounds = itertools.count(1)
 
     @property
@@ -276,6 +278,7 @@ class Planner:
             return None
         drafted.round = next(self._rounds)
         drafted.queued, drafted.sent_s = bool(self.in_flight), now
+        drafted.opening = not self._answered
         self.stats.sent_ahead += drafted.queued
         self.in_flight.append(drafted)
         return Proposal(drafted.round, len(drafted.prefix), tuple(drafted.draft), tuple(drafted.assumed))
@@ -290,6 +293,7 @@ class Planner:
         if not self.in_flight:
             raise BadVerdict(f"verdict for round {verdict.round} with no proposal in flight")
         sent = self.in_flight.popleft()
+        self._answered = True
         check_verdict(verdict, sent, self.committed, self.vocab_size)
         if verdict.gamma_cap:  # the verifier's cap under load: the next drafts obey it
             self.max_gamma = min(verdict.gamma_cap, self._verifier_max_gamma)
@@ -305,11 +309,11 @@ class Planner:
         self.stats.step_s = self.tuner.verify(1)  # V(1), the target's one-step time (0 before any)
         if arrived is not None and sent.sent_s is not None:
             self.stats.round_s.append(arrived - sent.sent_s)
-            # A stream's first proposal leaves with the open, so its verdict also waited for the open's
-            # prefill (a whole prompt, unless a kept cache holds it), which no round trip includes: it
-            # teaches the tuner nothing. Counted, a cold prompt's prefill of a second or two moved the
-            # estimate by a tenth of that at every generation's start (and set it, for a new tuner).
-            if sent.round > 1:
+            # Proposals sent before the stream's first verdict came back waited for the open's prefill
+            # (a whole prompt, unless a kept cache holds it), which no round trip includes: they teach
+            # the tuner nothing. Counted, a cold prompt's prefill of a second or two set a new tuner's
+            # estimate to that, and moved a tuner's by a tenth of it at every generation's start.
+            if not sent.opening:
                 self.tuner.observe_round(self.stats.round_s[-1], verdict.verify_seconds, sent.queued)
         after = self.in_flight[0] if self.in_flight else self.drafted
         bonus = verdict.target_token_id

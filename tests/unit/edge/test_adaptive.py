@@ -240,7 +240,8 @@ def test_a_fixed_request_keeps_its_setting_while_its_verdicts_teach_the_tuner():
 
 def test_the_round_sent_with_the_open_does_not_teach_the_round_trip():
     """The first proposal leaves with the open and its verdict waits for the prompt's prefill (2 s here);
-    the round trip is learnt from the rounds after it (30 ms), not inflated by the prefill."""
+    the round trip is learnt from the rounds sent after a verdict came back (30 ms), not inflated by the
+    prefill."""
     tuner = Tuner()
     request = GenerationRequest(PROMPT, max_new_tokens=20, gamma=2, ignore_eos=True, pipeline=0)
     plan = Planner(request, INFO, tuner=tuner)
