@@ -201,7 +201,8 @@ class Planner:
         self.vocab_size = info.target.vocabulary.size  # a verdict's ids must be below it
         self._plain_steps = info.plain_steps  # the verifier takes proposals of no draft token
         edge = request.drafting is Drafting.EDGE
-        self._hand_off = hand_off and info.thin_sessions and info.plain_steps and edge
+        allowed = hand_off and self.tuner.config.hand_off
+        self._hand_off = allowed and info.thin_sessions and info.plain_steps and edge
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self.drafted: InFlight | None = None  # drafted, sent unless a verdict refutes it first
         self.finished = False

@@ -379,6 +379,10 @@ def test_handing_off_to_the_verifier_beats_plain_steps_where_round_trips_are_dea
     assert handed > 2 * plain and handed > 0.8 * one_step, (handed, plain, one_step)
     assert handing.legs >= 3 and handing.server_tokens > 800 and handing.probes >= 2
     assert handing.plain_steps == 0 and stepping.plain_steps > 0 and stepping.legs == 0
+    # The tuner's config can forbid hand-offs: the planner then sends plain steps though it could.
+    forbidden = Tuner(TunerConfig(hand_off=False))
+    timeline.tokens_per_second(costs, 0.05, None, None, 300, tuner=forbidden, hand_off=True)
+    assert forbidden.legs == 0 and forbidden.plain_steps > 0
     assert handing.reason.startswith(("speculation off: decoding on the verifier", "probing"))
 
 
