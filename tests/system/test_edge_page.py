@@ -170,7 +170,11 @@ def _count(edge: str, name: str) -> float:
 
 
 def test_token_probabilities_show_on_hover(page):
+    # The new conversation opens asynchronously and sets the checkbox from its settings (unchecked):
+    # checking it before that lands lost the race under load (seen in CI), and no logprobs were asked.
+    before = page.evaluate("location.hash")
     page.click("#new-chat")
+    page.wait_for_function("h => location.hash && location.hash !== h", arg=before)
     page.check("#probs")
     reply = ask(page, "Return the sum of a list.", 16)
     tokens = reply.locator(".tok")
