@@ -73,8 +73,10 @@ async def _adaptive(
     try:
         async with grpc.aio.insecure_channel(proxy.address if proxy else address) as channel:
             session = EdgeSession(channel, drafter)
-            # Starts at γ 1 without pipelining and may move after every round: the choice moves.
-            session.tuner = Tuner(TunerConfig(initial=(1, 0), warmup=1, dwell=1))
+            # Starts at γ 1 without pipelining and may move after every round: the choice moves. Never
+            # off (plain=False): a CI run under load once turned it off for a while, which re-feeds the
+            # drafter (and so skips one more draft's cost) at each return; the fallback's own test is below.
+            session.tuner = Tuner(TunerConfig(initial=(1, 0), warmup=1, dwell=1, plain=False))
             outputs = []
             for prompt in PROMPTS:
                 request = GenerationRequest(prompt, params, NEW, None, ignore_eos=True, pipeline=None)
