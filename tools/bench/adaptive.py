@@ -58,22 +58,26 @@ async def interleaved(config, drafter, address, upstream, mode, rtt, settings, t
     adaptive one its tuner) across the prompts, and the order rotates from prompt to prompt, so a burst
     of load falls on every setting alike and none always runs first.
 
-    Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache.
-    Without it the turn's first row paid the drafter's prefill (about 200 ms of llama.cpp on one core for
-    a 40-token chat prompt) and every later row reused it: the first row of the first prompt, the
-    adaptive one, paid it at every point. The verifier keeps caches per connection for anonymous
-    clients, so every row pays the prompt's prefill on the verifier in its first round, alike.
+    Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache and in
+    the verifier's kept caches, so that no row pays a prefill and the rows compare decoding alone, as
+    in a conversation's later turns. Without it the turn's first row paid the drafter's prefill (about
+    200 ms of llama.cpp on one core for a 40-token chat prompt) and every later row reused it. The
+    verifier keeps an anonymous caller's caches per connection, so the rows and the warm-up share one
+    channel; the rows' `reused_positions` show it.
 
     `tuners`: a TunerConfig per setting (None: the default tuner's)."""
     async with contextlib.AsyncExitStack() as stack:
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
         runs = [
-            await stack.enter_async_context(RowRun(config, drafter, address, upstream, mode, g, rtt, d))
+            await stack.enter_async_context(
+                RowRun(config, drafter, address, upstream, mode, g, rtt, d, channel=channel)
+            )
             for g, d in settings
         ]
         for run, tuner in zip(runs, tuners or [None] * len(runs), strict=True):
             if tuner is not None:
                 run.session.tuner = Tuner(tuner)
-        warm = EdgeSession(await stack.enter_async_context(grpc.aio.insecure_channel(upstream)), drafter)
+        warm = EdgeSession(channel, drafter)
         for i in range(len(config.prompts)):
             prefill = GenerationRequest(config.prompts[i], params_for(mode, config, i), 1, 1, pipeline=0)
             await warm.run(prefill)
@@ -188,6 +192,10 @@ def markdown(report: dict) -> str:
     ]
     lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
     lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
+    reused = [r.get("reused_positions", 0) for r in report["rows"]]
+    lines.append(
+        f"prompt positions a row took from the verifier's kept caches: {min(reused)} to {max(reused)}"
+    )
     bad = [k for k, ok in report["exact"].items() if not ok]
     lines.append("every output equals the target alone's" if not bad else f"outputs differing: {bad}")
     return "\n".join(lines)

@@ -124,6 +124,7 @@ class Row:
     restarts_per_round: float | None = None  # drafts with nothing live in flight (GenerationStats.restarts)
     plain_steps: int = 0  # rounds of no draft token: speculation off (edge_client.adaptive)
     server_tokens: int = 0  # decoded by the verifier alone: speculation off, handed off
+    reused_positions: int = 0  # prompt positions the verifier took from kept caches, over the row's opens
     speculation_offs: int = 0  # times the row's tuner turned speculation off, and probed it
     probes: int = 0
     speculation_reason: str = ""  # the tuner's last reason

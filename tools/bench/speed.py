@@ -91,10 +91,14 @@ class RowRun:
     """One setting's edge session, run a prompt at a time, so that rows can take turns prompt by prompt
     (a burst of someone else's load then falls on every row alike); `row()` sums what its prompts did.
     The verifier's counters are read around each prompt, so other rows' work between them is not
-    counted."""
+    counted.
 
-    def __init__(self, config, drafter, address, upstream, mode, gamma, rtt_ms, pipeline=0):
+    `channel`: the channel to `address` to run on (None: one of its own). Rows that share one also share
+    the verifier's kept caches, which it keeps per connection for anonymous callers."""
+
+    def __init__(self, config, drafter, address, upstream, mode, gamma, rtt_ms, pipeline=0, channel=None):
         self.config, self.drafter, self.address, self.upstream = config, drafter, address, upstream
+        self._channel = channel
         self.mode, self.gamma, self.pipeline = mode, gamma, pipeline
         arm = "d" if rtt_ms else "c"
         label = f"draftwire, {rtt_ms:g} ms RTT" if rtt_ms else "draftwire, loopback"
@@ -109,7 +113,9 @@ class RowRun:
     async def __aenter__(self) -> RowRun:
         stats_channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.upstream))
         self._server = pb_grpc.VerifierStub(stats_channel)
-        channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.address))
+        channel = self._channel or await self._stack.enter_async_context(
+            grpc.aio.insecure_channel(self.address)
+        )
         self.session = EdgeSession(channel, self.drafter)
         await self.session.model_info()
         return self
@@ -164,6 +170,7 @@ class RowRun:
         row.server_tokens = sum(s.server_tokens for s in all_stats)
         row.speculation_offs, row.probes, row.speculation_reason = tuner.offs, tuner.probes, tuner.reason
         row.tuner_rtt_ms = 1000 * tuner.rtt_s if tuner.rtt_s is not None else None
+        row.reused_positions = sum(s.reused_positions for s in all_stats)
         return row
 
 
