@@ -66,17 +66,17 @@ class BatchConfig:
     # the next batches, so that other sessions' rounds never wait behind it. 0: whole prefills.
     max_prefill_positions: int = 256
     # While other sessions play rounds, prefill rides with their rounds, and a batch with a prefill chunk
-    # aims to take at most (1 + prefill_share) × the rounds' time alone: the chunk halves after a batch
-    # over that and grows by a position after one within it (at least min_prefill_positions, so a
-    # prompt always advances). Measured, not modelled: a position's cost grows with its context (its
-    # attention), so a rate learned early in a long prompt would overshoot late in it. 0: off.
+    # aims to take at most (1 + prefill_share) × the rounds' time alone: the chunk is what the share of
+    # the rounds' time pays for at a prefill position's cost measured in the batch before (`_resize`;
+    # at least min_prefill_positions, so a prompt always advances). Measured afresh each batch, since a
+    # position's cost grows with its context (its attention): a rate learned early in a long prompt
+    # would overshoot late in it. 0: off.
     prefill_share: float = 0.5
     min_prefill_positions: int = 1
     # While no session plays rounds, a batch of prefill alone aims to take at most this long, so that a
     # session opening meanwhile waits about that long for its own prefill, not for a chunk of
-    # max_prefill_positions at long context (seconds on a CPU). Measured like the share above: the
-    # chunk halves after a batch over it, and grows by a quarter after one under half of it with its
-    # chunk full (up to max_prefill_positions). 0: positions only.
+    # max_prefill_positions at long context (seconds on a CPU). Sized like the share above, up to
+    # max_prefill_positions. 0: positions only.
     max_prefill_s: float = 0.5
 
 
@@ -119,6 +119,8 @@ class Batcher:
         self._rounds_at: dict[str, float] = {}  # session -> when it last sent a round (event loop time)
         self._chunk = float(config.min_prefill_positions)  # timed prefill positions a batch (prefill_room)
         self._idle_chunk = float(config.max_prefill_positions)  # the same while no session plays rounds
+        self._position_s: float | None = None  # a prefill position's cost beside rounds (_resize)
+        self._idle_position_s: float | None = None  # the same in batches of prefill alone
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -277,25 +279,40 @@ class Batcher:
                 return
 
     def _measure(self, forwards: list[Forward], seconds: float) -> None:
-        """Learns the rounds' time (from batches of rounds alone) and sizes the next prefill chunk from
-        the last mixed batch's time: halved when over (1 + prefill_share) × the rounds' time, one
-        position more when within it with its chunk full. A batch of prefill alone sizes the chunk
-        for while nobody plays rounds against max_prefill_s the same way (a quarter more when under
-        half of it)."""
+        """Learns the rounds' time (from batches of rounds alone), and from a batch with prefill the cost
+        of a prefill position (beside rounds: the batch's time over the rounds' alone), from which it
+        sizes the next chunk (`_resize`): beside rounds, to the share of the rounds' time; in batches of
+        prefill alone, to max_prefill_s."""
         positions = sum(len(f.token_ids) for f in forwards if not f.wants_logits)
         if positions == 0:
             self._round_s = _smooth(self._round_s, seconds)
             return
         c = self.config
         if any(f.wants_logits for f in forwards):
-            if self._round_s and seconds > (1 + c.prefill_share) * self._round_s:
-                self._chunk = max(float(c.min_prefill_positions), self._chunk / 2)
-            elif self._round_s and positions >= int(self._chunk):
-                self._chunk += 1
-        elif c.max_prefill_s and seconds > c.max_prefill_s:
-            self._idle_chunk = max(float(c.min_prefill_positions), self._idle_chunk / 2)
-        elif c.max_prefill_s and 2 * seconds < c.max_prefill_s and positions >= int(self._idle_chunk):
-            self._idle_chunk = min(float(c.max_prefill_positions), 1.25 * self._idle_chunk + 1)
+            if self._round_s:
+                self._position_s = _costlier_first(self._position_s, (seconds - self._round_s) / positions)
+                self._chunk = self._resize(
+                    self._chunk, self._position_s, c.prefill_share * self._round_s, positions
+                )
+        elif c.max_prefill_s:
+            self._idle_position_s = _costlier_first(self._idle_position_s, seconds / positions)
+            self._idle_chunk = self._resize(
+                self._idle_chunk, self._idle_position_s, c.max_prefill_s, positions
+            )
+
+    def _resize(self, chunk: float, position_s: float, budget_s: float, positions: int) -> float:
+        """The next chunk: the positions `budget_s` pays for at `position_s` each, moving at most a factor
+        of two from `chunk` a batch (a noisy batch moves it only so far), and growing only after a batch
+        that filled it (a short prompt's last positions say nothing of what more would cost); between
+        min_prefill_positions and max_prefill_positions (when set)."""
+        c = self.config
+        wanted = budget_s / position_s if position_s > 0 else 2 * chunk
+        if positions < int(chunk):
+            wanted = min(wanted, chunk)
+        wanted = min(max(wanted, chunk / 2), 2 * chunk)
+        if c.max_prefill_positions:
+            wanted = min(wanted, float(c.max_prefill_positions))
+        return max(float(c.min_prefill_positions), wanted)
 
     def prefill_room(self) -> tuple[int | None, bool]:
         """Prefill positions the next batch may run (None: no limit), and whether rounds' time bounds
@@ -333,6 +350,13 @@ def _prefill_last(forward: Forward) -> tuple[bool, int]:
     kind): rounds and bare forwards first, then prefills by the positions they have left."""
     prefill = not forward.wants_logits and bool(forward.token_ids)
     return prefill, len(forward.token_ids) if prefill else 0
+
+
+def _costlier_first(old: float | None, new: float) -> float:
+    """A prefill position's cost, updated: at once when the new figure is higher (a longer context costs
+    more, and an overshoot delays rounds), smoothed when lower (one fast batch is often noise)."""
+    new = max(new, 0.0)
+    return new if old is None or new > old else _smooth(old, new)
 
 
 def _smooth(old: float | None, new: float, weight: float = 0.5) -> float:

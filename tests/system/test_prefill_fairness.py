@@ -59,10 +59,11 @@ def test_a_bystanders_rounds_stay_within_a_bound_while_long_prompts_prefill():
     """Prefill bounded by time, not positions: every engine call costs 10 ms, each position 1 ms more,
     and each position 20 µs more per position before it (attention: a prefill position at 300 costs
     7 ms), so a bystander's round of 6 positions takes about 16 ms alone. Three sessions prefill
-    2,000-position prompts meanwhile; the chunk riding with each round follows the measured batch times
-    (halved when over 1.5x the round alone), so rounds stay within 2x their time alone at the median
-    and 3x at worst, even as positions grow costlier. With the share off, chunks of 256 positions make
-    rounds over 10x slower."""
+    2,000-position prompts meanwhile; the chunk riding with each round is what half a round's time
+    pays for at the prefill position's cost the last batch measured, so rounds stay near 1.5x their time
+    alone (measured here: 1.47x at the median, 1.61x at worst; asserted with slack: 1.75x and 2.5x),
+    even as positions grow costlier. With the share off, chunks of 256 positions make rounds over 10x
+    slower."""
 
     async def scenario(batcher):
         batcher.join("bystander")
@@ -113,7 +114,7 @@ def test_a_bystanders_rounds_stay_within_a_bound_while_long_prompts_prefill():
             gc.enable()
 
     alone, crowded = measure(0.5, 2e-5)
-    assert len(crowded) >= 20 and statistics.median(crowded) < 2 * alone, (alone, crowded)
-    assert max(crowded[2:]) < 3 * alone, (alone, crowded)  # 2 rounds to learn
+    assert len(crowded) >= 20 and statistics.median(crowded) < 1.75 * alone, (alone, crowded)
+    assert max(crowded[2:]) < 2.5 * alone, (alone, crowded)  # 2 rounds to learn
     alone_off, crowded_off = measure(0.0, 0.0)  # even without the attention cost
     assert max(crowded_off) > 10 * alone_off, (alone_off, crowded_off)  # positions alone bound no time
