@@ -28,6 +28,12 @@ def test_adaptive_bench_smoke(tmp_path):
     assert len(report["exact"]) == 4 * 5 and all(report["exact"].values())
     assert all("adaptive (ended at γ" in r["label"] for r in report["rows"] if r["pipeline"] == -1)
     assert all(r["model_tokens_per_s"] > 0 for r in report["rows"] if r["arm"] in "cd")
+    # The warm-up fills the verifier's kept caches, shared through one channel: no row prefills cold.
+    assert all(r["reused_positions"] > 0 for r in report["rows"])
+    # Each row carries its tuner's view: the verify seconds it holds for the sizes it sent (γ + 1).
+    fixed_3 = next(r for r in report["rows"] if r["gamma"] == 3 and r["pipeline"] == 0)
+    assert "4" in fixed_3["tuner"]["verify_by_positions"], fixed_3["tuner"]
+    assert fixed_3["tuner"]["verify_by_positions"]["4"]["count"] > 0
     table = (out / "adaptive.md").read_text()
     assert "every output equals the target alone's" in table and "beats every fixed setting" in table
     assert "Model check" in table and "| 5 | sampled |" in table

@@ -130,6 +130,9 @@ class Row:
     speculation_reason: str = ""  # the tuner's last reason
     model_tokens_per_s: float | None = None  # what the edge's tuner predicted for the row's (final) setting
     tuner_rtt_ms: float | None = None  # the tuner's round-trip estimate (R) at the row's end
+    # The tuner's view at the row's end (speed.tuner_view): acceptance by position, and the seconds it
+    # holds for each size it drafted and verified, with their counts, beside the lines it fits.
+    tuner: dict | None = None
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     bound_tokens_per_s: float | None = None  # zero_overhead_bound
     share_of_bound: float | None = None  # tokens/s over the bound

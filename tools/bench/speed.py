@@ -170,8 +170,28 @@ class RowRun:
         row.server_tokens = sum(s.server_tokens for s in all_stats)
         row.speculation_offs, row.probes, row.speculation_reason = tuner.offs, tuner.probes, tuner.reason
         row.tuner_rtt_ms = 1000 * tuner.rtt_s if tuner.rtt_s is not None else None
+        row.tuner = tuner_view(tuner)
         row.reused_positions = sum(s.reused_positions for s in all_stats)
         return row
+
+
+def tuner_view(tuner) -> dict:
+    """What a tuner holds, for a bench's JSON: the model's inputs as the tuner sees them, so that a row
+    whose choice looks wrong can be read against its measured figures (docs/benchmarks.md, haiku)."""
+    est = tuner.estimates()
+
+    def sizes(line) -> dict:
+        return {
+            str(n): {"ms": round(1000 * s, 2), "count": line.counts[n]} for n, s in sorted(line.means.items())
+        }
+
+    return {
+        "acceptance": [round(a, 3) for a in est.acceptance],
+        "verify_by_positions": sizes(tuner.verify),
+        "verify_line_ms": [round(1000 * est.verify_fixed_s, 2), round(1000 * est.verify_position_s, 2)],
+        "draft_by_tokens": sizes(tuner.draft),
+        "draft_line_ms": [round(1000 * est.draft_fixed_s, 2), round(1000 * est.draft_token_s, 2)],
+    }
 
 
 async def run_all(config: BenchConfig, log=print) -> dict:
