@@ -55,32 +55,52 @@ class AcceptanceCounts:
 
 class CostLine:
     """Seconds against a size (tokens drafted, positions verified): a running average per size seen,
-    and a weighted line through them; with one size seen, a line with the given fixed share."""
+    and a weighted line through them; with one size seen, a line with the given fixed share.
+
+    A cost need not be a line: a forward over 5 positions can cost less than one over 3 (measured on the
+    Qwen pair, docs/benchmarks.md). So a size seen is estimated from its own mean, shrunk towards the
+    line as far as the figures' noise explains its distance from it (empirical Bayes: the sizes' spread
+    about the line, less what noise puts there, against the noise in this size's mean). Where the sizes
+    lie on a line within noise, every estimate is the line's, which pools them all; the line serves
+    alone for sizes not seen."""
 
     def __init__(self, smoothing: float, fixed_share: float):
         self.smoothing = smoothing
         self.fixed_share = fixed_share
         self.means: dict[int, float] = {}  # size -> smoothed seconds
-        self.counts: dict[int, int] = {}
+        self.counts: dict[int, int] = {}  # size -> figures seen
+        self.weights: dict[int, float] = {}  # size -> figures its smoothed mean stands for
+        # The smoothed square of a figure's relative distance from its size's mean: a 10 % spread until
+        # some size is seen twice.
+        self.noise = 0.01
+        self._residuals = 0
 
     def observe(self, size: int, seconds: float) -> None:
         if size <= 0 or seconds < 0:
             return
         old = self.means.get(size)
+        if old:
+            self._residuals += 1
+            weight = max(self.smoothing, 1 / self._residuals)
+            self.noise += weight * (((seconds - old) / old) ** 2 - self.noise)
         # The first figures of a size are averaged plainly, then smoothed.
         weight = max(self.smoothing, 1 / (self.counts.get(size, 0) + 1))
         self.means[size] = seconds if old is None else old + weight * (seconds - old)
         self.counts[size] = self.counts.get(size, 0) + 1
+        self.weights[size] = min(self.weights.get(size, 0.0) + 1, 1 / self.smoothing)
 
     @property
     def seen(self) -> bool:
         return bool(self.means)
 
+    def _figures(self) -> dict[int, float]:
+        return {n: max(w, 1e-6) for n, w in self.weights.items()}
+
     def line(self) -> tuple[float, float]:
         """(fixed seconds, seconds per unit), both >= 0; (0, 0) before any figure."""
         if not self.means:
             return 0.0, 0.0
-        weights = {n: min(c, 1 / self.smoothing) for n, c in self.counts.items()}
+        weights = self._figures()
         total = sum(weights.values())
         mean_n = sum(w * n for n, w in weights.items()) / total
         mean_s = sum(w * self.means[n] for n, w in weights.items()) / total
@@ -95,5 +115,24 @@ class CostLine:
         return self.fixed_share * mean_s, (1 - self.fixed_share) * mean_s / mean_n
 
     def __call__(self, size: int) -> float:
+        estimate = self.sizes().get(size)
+        if estimate is not None:
+            return estimate
         fixed, slope = self.line()
         return fixed + slope * size
+
+    def sizes(self) -> dict[int, float]:
+        """The estimate at every size seen."""
+        if not self.means:
+            return {}
+        fixed, slope = self.line()
+        on_line = {n: fixed + slope * n for n in self.means}
+        figures = self._figures()  # what each size's mean stands for, and so the noise left in it
+        distance = {n: self.means[n] / on_line[n] - 1 if on_line[n] > 0 else 0.0 for n in self.means}
+        spread = sum(figures[n] * (distance[n] ** 2 - self.noise / figures[n]) for n in self.means)
+        spread = max(0.0, spread / sum(figures.values()))
+        estimates = {}
+        for n in sorted(self.means):
+            own = spread / (spread + self.noise / figures[n]) if spread > 0 else 0.0
+            estimates[n] = on_line[n] * (1 + own * distance[n])
+        return estimates

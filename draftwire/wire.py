@@ -28,6 +28,17 @@ from draftwire.vocab import Vocabulary
 
 # The largest message either side receives by default: a prompt of ~250k ids, or a chat template.
 MAX_MESSAGE_BYTES = 1 << 20
+# A verifier's default takes what its target's context can hold and no more (message_bytes_for), so that
+# gRPC refuses a larger message from its header, before a byte of it reaches Python.
+ID_BYTES = 5  # the longest varint of a uint32 id
+MESSAGE_SLACK = 64 << 10  # an open's other fields: sampling (300 logit biases at most), stop ids, names
+
+
+def message_bytes_for(max_context: int) -> int:
+    """The largest message a verifier of this context needs to take: an open whose prompt and generated
+    ids fill the context, each id at its longest, and the open's other fields."""
+    return ID_BYTES * max_context + MESSAGE_SLACK
+
 
 _DRAFTING = {
     Drafting.EDGE: pb.DRAFTING_EDGE,
@@ -43,11 +54,14 @@ _FINISH = {
 _FINISH_BACK = {v: k for k, v in _FINISH.items()}
 
 
-def message_size_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC options bounding the messages a server or channel sends and receives."""
+def message_size_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, max_send_bytes: int | None = None
+) -> list[tuple[str, int]]:
+    """gRPC options bounding the messages a server or channel receives, and sends (the same unless
+    `max_send_bytes` is given)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_send_bytes or max_message_bytes),
     ]
 
 

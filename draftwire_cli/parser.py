@@ -60,8 +60,10 @@ def _serve(sub) -> None:
     p.add_argument(
         "--max-message-bytes",
         type=positive,
-        default=wire.MAX_MESSAGE_BYTES,
-        help="largest gRPC message taken",
+        default=None,
+        help="largest gRPC message taken; larger ones are refused unread (default: what the target's "
+        f"context needs, {wire.ID_BYTES} bytes an id plus {wire.MESSAGE_SLACK >> 10} KiB; with --ray, "
+        f"the front takes {wire.MAX_MESSAGE_BYTES >> 20} MiB)",
     )
     p.add_argument(
         "--max-batch", type=positive, default=32, help="most sessions verified in one forward pass"

@@ -9,7 +9,11 @@ counts `acceptance_smoothing`):
           γ tokens judges positions up to γ - 1; when all γ are accepted, a pipelined successor's guess
           of the bonus (the draft's token γ) judges position γ.
   D(n)    seconds to draft n tokens (one drafter call); V(n) seconds of the verifier's forward over n
-          positions (Verdict.verify_seconds): each a line, fitted over the sizes seen so far.
+          positions (Verdict.verify_seconds): each a line fitted over the sizes seen so far, and V at a
+          size seen its own figures shrunk towards the line (a forward's cost need not grow with its
+          positions). Each kept twice: in turn (depth 0) and side by side (the drafter drafting while
+          the proposal is verified), since two processes sharing a machine's memory bandwidth slow
+          each other: 5-15 % on the two-core rig's verifier (docs/benchmarks.md).
   R       round trip: send to the verdict's arrival (not to when the edge, busy drafting, reads it),
           less the verify time. Only a proposal sent with nothing in flight measures it; one queued
           behind others only bounds it from above.
@@ -59,12 +63,14 @@ would pay R a token.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from draftwire.speculation import AcceptanceCounts, CostLine, expected_tokens
 
 __all__ = [
     "CostLine",
+    "Costs",
     "Estimates",
     "Tuner",
     "TunerConfig",
@@ -88,6 +94,10 @@ class TunerConfig:
     prior_acceptance: float = 0.6  # α before anything is seen, worth `prior_weight` observations
     prior_weight: float = 2.0
     initial: tuple[int, int] = (4, 2)  # (γ, depth) until there is something to go on
+    # Pipelined from the start, the costs in turn (depth 0) are not measured and borrow those side by side,
+    # a pessimistic guess where the two share a machine: the tuner tries depth 0 once, for `dwell` rounds,
+    # if the model puts it within this share of staying.
+    explore_margin: float = 0.1
     fixed_share_draft: float = 0.1  # share of a drafter call not growing with its tokens, until fitted
     fixed_share_verify: float = 0.5  # share of a forward not growing with its positions, until fitted
     plain: bool = True  # adaptive γ may turn speculation off (plain steps) where it does not pay
@@ -98,22 +108,45 @@ class TunerConfig:
     hand_off: bool = True  # off hands decoding to the verifier where it can, instead of plain steps
 
 
-@dataclass(frozen=True)
-class Estimates:
-    """What the model needs, as numbers: the tuner's current view, or a hand-built case in a test."""
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """D(n) and V(n) in one way of running: lines, and V at the sizes measured, where it need not lie on
+    its line (draftwire.speculation.CostLine)."""
 
-    acceptance: tuple[float, ...]  # [max_gamma + 1]: α_i, conditional acceptance of draft position i
     draft_fixed_s: float  # D(n) = draft_fixed_s + draft_token_s · n
     draft_token_s: float
-    verify_fixed_s: float  # V(n) = verify_fixed_s + verify_position_s · n, n positions (γ + 1)
+    verify_fixed_s: float  # V(n) = verify_fixed_s + verify_position_s · n, n positions (γ + 1) ...
     verify_position_s: float
-    rtt_s: float  # R
+    verify_measured: Mapping[int, float] = field(default_factory=dict)  # ... but this where measured
 
     def draft(self, tokens: int) -> float:
         return self.draft_fixed_s + self.draft_token_s * tokens
 
     def verify(self, gamma: int) -> float:
-        return self.verify_fixed_s + self.verify_position_s * (gamma + 1)
+        positions = gamma + 1
+        measured = self.verify_measured.get(positions)
+        return measured if measured is not None else self.verify_fixed_s + self.verify_position_s * positions
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimates(Costs):
+    """What the model needs, as numbers: the tuner's current view, or a hand-built case in a test. The
+    costs it holds itself are those of drafting and verifying in turn (depth 0); `ahead`, those while the
+    drafter drafts alongside the verifier (depth ≥ 1), which on machines that share memory bandwidth
+    (the two-core rig: docs/benchmarks.md) cost more. None: the same."""
+
+    acceptance: tuple[float, ...] = ()  # [max_gamma + 1]: α_i, conditional acceptance of draft position i
+    rtt_s: float = 0.0  # R
+    ahead: Costs | None = None
+
+    def costs(self, ahead: bool) -> Costs:
+        return self.ahead if ahead and self.ahead is not None else self
+
+    def draft(self, tokens: int, ahead: bool = False) -> float:
+        return Costs.draft(self.costs(ahead), tokens)
+
+    def verify(self, gamma: int, ahead: bool = False) -> float:
+        return Costs.verify(self.costs(ahead), gamma)
 
 
 def off_tokens_per_second(est: Estimates, leg: int | None = None) -> float:
@@ -129,11 +162,13 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     if gamma == 0:
         return off_tokens_per_second(est)
     tokens = expected_tokens(est.acceptance, gamma)
-    verify = est.verify(gamma)
-    fresh = est.draft(gamma) + est.rtt_s + verify
     if depth == 0:
+        fresh = est.draft(gamma) + est.rtt_s + est.verify(gamma)
         return tokens / fresh if fresh > 0 else float("inf")
-    ahead = est.draft(gamma + 1)  # a pipelined proposal drafts the guessed bonus and γ tokens
+    # Pipelined, the drafter drafts while the verifier verifies: both at their costs side by side.
+    verify = est.verify(gamma, ahead=True)
+    fresh = est.draft(gamma) + est.rtt_s + verify  # a restart drafts with nothing in flight
+    ahead = est.draft(gamma + 1, ahead=True)  # a pipelined proposal drafts the guessed bonus and γ tokens
     period = max(ahead, verify, (ahead + est.rtt_s + verify) / (depth + 1))
     live = 1.0
     for i in range(gamma + 1):
@@ -144,6 +179,18 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     busy = _busy(ahead, est.rtt_s + verify, depth) * (1.0 if period <= ahead else 1 - live)
     cost = (1 - live) * (fresh + busy) + live * period
     return tokens / cost if cost > 0 else float("inf")
+
+
+def _costs(draft: CostLine, verify: CostLine, verify_measured: Mapping[int, float]) -> Costs:
+    draft_fixed, draft_token = draft.line()
+    verify_fixed, verify_position = verify.line()
+    return Costs(
+        draft_fixed_s=draft_fixed,
+        draft_token_s=draft_token,
+        verify_fixed_s=verify_fixed,
+        verify_position_s=verify_position,
+        verify_measured=verify_measured,
+    )
 
 
 PHASE_JITTER = 0.1
@@ -199,8 +246,11 @@ class Tuner:
         self.choice = (min(c.initial[0], c.max_gamma), min(c.initial[1], c.max_depth))
         size = c.max_gamma + 2  # positions 0..max_gamma (the last: the guessed bonus)
         self._acceptance = AcceptanceCounts(size, c.acceptance_smoothing, c.prior_acceptance, c.prior_weight)
+        # In turn (depth 0) and side by side (the drafter drafting while a proposal is verified).
         self.draft = CostLine(c.smoothing, c.fixed_share_draft)
         self.verify = CostLine(c.smoothing, c.fixed_share_verify)
+        self.draft_ahead = CostLine(c.smoothing, c.fixed_share_draft)
+        self.verify_ahead = CostLine(c.smoothing, c.fixed_share_verify)
         self._last_move = 0
         self._probe_after = self.config.probe_after
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
@@ -248,14 +298,20 @@ class Tuner:
         which the round itself never judges and q(γ) needs."""
         self._acceptance.judge(draft_tokens, right)
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
-        """One drafter call that drafted `tokens` (the guessed bonus included)."""
-        self.draft.observe(tokens, seconds)
+    def observe_draft(self, tokens: int, seconds: float, ahead: bool = False) -> None:
+        """One drafter call that drafted `tokens` (the guessed bonus included); `ahead`: while a proposal
+        it builds on was in flight (pipelined), so beside the verifier's forward."""
+        (self.draft_ahead if ahead else self.draft).observe(tokens, seconds)
 
-    def observe_verify(self, draft_tokens: int, seconds: float) -> None:
-        """The verifier's forward for a proposal of `draft_tokens` (over draft_tokens + 1 positions)."""
+    def observe_verify(self, draft_tokens: int, seconds: float, ahead: bool = False) -> None:
+        """The verifier's forward for a proposal of `draft_tokens` (over draft_tokens + 1 positions);
+        `ahead`: the drafter drafted while it was in flight (pipelined)."""
         if seconds > 0:
-            self.verify.observe(draft_tokens + 1, seconds)
+            (self.verify_ahead if ahead else self.verify).observe(draft_tokens + 1, seconds)
+
+    def step_s(self) -> float:
+        """V(1), the target's one-step time as measured (0 before any forward)."""
+        return self.estimates().verify(0)
 
     def observe_round(self, round_s: float, verify_s: float, queued: bool) -> None:
         """Send to verdict of a verified proposal; `queued`: others were in flight when it was sent, so
@@ -273,10 +329,29 @@ class Tuner:
         return self._acceptance.rates()
 
     def estimates(self) -> Estimates:
-        draft_fixed, draft_token = self.draft.line()
-        verify_fixed, verify_position = self.verify.line()
+        """The model's inputs. A way of running not yet measured borrows the other's costs, and a size
+        verified one way but not the other borrows that figure, scaled by the two ways' ratio at the sizes
+        both measured (Tuner.choose tries depth 0 once where it might pay, so that both are measured)."""
+        draft = self.draft if self.draft.seen else self.draft_ahead
+        draft_ahead = self.draft_ahead if self.draft_ahead.seen else draft
+        verify = self.verify if self.verify.seen else self.verify_ahead
+        verify_ahead = self.verify_ahead if self.verify_ahead.seen else verify
+        in_turn, beside = self.verify.sizes(), self.verify_ahead.sizes()
+        both = in_turn.keys() & beside.keys()
+        weights = {n: min(self.verify.weights[n], self.verify_ahead.weights[n]) for n in both}
+        ratio = 1.0
+        if weights:
+            ratio = sum(w * beside[n] for n, w in weights.items())
+            ratio /= sum(w * in_turn[n] for n, w in weights.items())
+        in_turn, beside = (
+            {**{n: s / ratio for n, s in beside.items()}, **in_turn},
+            {**{n: s * ratio for n, s in in_turn.items()}, **beside},
+        )
         return Estimates(
-            self.acceptance(), draft_fixed, draft_token, verify_fixed, verify_position, self.rtt_s or 0.0
+            **vars(_costs(draft, verify, in_turn)),
+            acceptance=self.acceptance(),
+            rtt_s=self.rtt_s or 0.0,
+            ahead=_costs(draft_ahead, verify_ahead, beside),
         )
 
     def choose(
@@ -307,7 +382,8 @@ class Tuner:
             min(max(self.choice[0], gammas[0]), gammas[-1]),
             min(max(self.choice[1], depths[0]), depths[-1]),
         )
-        ready = self.rounds >= c.warmup and self.draft.seen and self.rtt_s is not None
+        drafted = self.draft.seen or self.draft_ahead.seen
+        ready = self.rounds >= c.warmup and drafted and self.rtt_s is not None
         if ready and self.rounds - self._last_move >= c.dwell:
             est = self.estimates()
             if plain and self._off(est, gammas, depths, current):
@@ -320,9 +396,12 @@ class Tuner:
                 max(gammas[0], current[0] - c.max_step), min(gammas[-1], current[0] + c.max_step) + 1
             )
             target = best_setting(est, step, depths, current)
-            if target != current and tokens_per_second(est, *target) > (1 + c.margin) * tokens_per_second(
-                est, *current
-            ):
+            staying = tokens_per_second(est, *current)
+            if not self.verify.seen and current[1] > 0 and depths[0] == 0:  # depth 0 never measured
+                in_turn = best_setting(est, step, range(0, 1))
+                if tokens_per_second(est, *in_turn) >= (1 - c.explore_margin) * staying:
+                    target, staying = in_turn, 0.0
+            if target != current and tokens_per_second(est, *target) > (1 + c.margin) * staying:
                 current = target
                 self._last_move = self.rounds
                 self.moves += 1

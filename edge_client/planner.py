@@ -155,6 +155,7 @@ class InFlight:
     queued: bool = False  # sent while others were in flight: it may wait behind their forwards
     opening: bool = False  # sent before the stream's first verdict: it may wait for the open's prefill
     sent_s: float | None = None  # when it was sent (the transport's clock), if the transport says
+    ahead: bool = False  # the drafter drafted while it was in flight: verified beside drafting
 
     def builds_on(self, committed: Sequence[int]) -> bool:
         """Whether it is still live: what it assumes agrees with the `committed` sequence."""
@@ -236,7 +237,11 @@ class Planner:
         if len(live) > depth or last.final or self._blocked == len(base):
             return None
         gamma = self._gamma(len(base) + 1, chosen)
-        return DraftJob(base, gamma + 1, True) if gamma else None
+        if not gamma:
+            return None
+        for sent in self.in_flight:
+            sent.ahead = True
+        return DraftJob(base, gamma + 1, True)
 
     def setting(self) -> tuple[int, int]:
         """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""
@@ -260,7 +265,7 @@ class Planner:
             self.drafted = InFlight(list(job.base), [], [], self._final(job.base, []))
             return
         if seconds is not None and not self._first_draft:
-            self.tuner.observe_draft(len(tokens), seconds)
+            self.tuner.observe_draft(len(tokens), seconds, ahead=job.assumes)
         self._first_draft = False
         self.stats.drafts += 1
         assumed, draft = (tokens[:1], tokens[1:]) if job.assumes else ([], tokens)
@@ -306,8 +311,8 @@ class Planner:
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
         check_logprobs(verdict, len(new), self.request.top_logprobs, self.vocab_size)
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
-        self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds)
-        self.stats.step_s = self.tuner.verify(1)  # V(1), the target's one-step time (0 before any)
+        self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds, ahead=sent.ahead)
+        self.stats.step_s = self.tuner.step_s()
         if arrived is not None and sent.sent_s is not None:
             self.stats.round_s.append(arrived - sent.sent_s)
             # Proposals sent before the stream's first verdict came back waited for the open's prefill

@@ -43,7 +43,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
-    max_message_bytes: int = wire.MAX_MESSAGE_BYTES  # larger messages are refused with RESOURCE_EXHAUSTED
+    # Larger messages are refused with RESOURCE_EXHAUSTED by gRPC, unparsed. None: what the target's context
+    # needs (wire.message_bytes_for, set by start_server); a pool's front, which forwards, takes 1 MiB.
+    max_message_bytes: int | None = None
     limits: VerifierLimits = VerifierLimits()
     batch: BatchConfig = BatchConfig()
     metrics_port: int | None = None  # Prometheus metrics over HTTP on metrics_host:metrics_port (None: off)
@@ -119,7 +121,10 @@ def make_server(config: ServerConfig, guards: list | None = None) -> grpc.aio.Se
     that it never shares a port (draftwire.ports).
 
     Raises OSError or auth.BadTokenFile when the token file cannot be read."""
-    options = wire.message_size_options(config.max_message_bytes)
+    # What the server sends (verdicts, model info with its chat template) is its own: 1 MiB bounds it.
+    options = wire.message_size_options(
+        config.max_message_bytes or wire.MAX_MESSAGE_BYTES, wire.MAX_MESSAGE_BYTES
+    )
     if guards is None:
         guards = auth.interceptors(config.auth, config.tls)
     return grpc.aio.server(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 
@@ -255,6 +256,10 @@ async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[Veri
 
     Raises RuntimeError when the address cannot be bound.
     """
+    if config.max_message_bytes is None:
+        config = dataclasses.replace(
+            config, max_message_bytes=wire.message_bytes_for(engine.info.max_context)
+        )
     guards = auth.interceptors(config.auth, config.tls)
     server = make_server(config, guards)
     servicer = VerifierServicer(engine, config)

@@ -30,10 +30,13 @@ def test_adaptive_bench_smoke(tmp_path):
     assert all(r["model_tokens_per_s"] > 0 for r in report["rows"] if r["arm"] in "cd")
     # The warm-up fills the verifier's kept caches, shared through one channel: no row prefills cold.
     assert all(r["reused_positions"] > 0 for r in report["rows"])
-    # Each row carries its tuner's view: the verify seconds it holds for the sizes it sent (γ + 1).
+    # Each row carries its tuner's view: the verify seconds it holds for the sizes it sent (γ + 1), in
+    # turn unpipelined and side by side pipelined (the drafter drafting during the verify).
     fixed_3 = next(r for r in report["rows"] if r["gamma"] == 3 and r["pipeline"] == 0)
-    assert "4" in fixed_3["tuner"]["verify_by_positions"], fixed_3["tuner"]
-    assert fixed_3["tuner"]["verify_by_positions"]["4"]["count"] > 0
+    assert fixed_3["tuner"]["in_turn"]["verify_by_positions"]["4"]["count"] > 0, fixed_3["tuner"]
+    assert not fixed_3["tuner"]["ahead"]["verify_by_positions"], fixed_3["tuner"]
+    piped_3 = next(r for r in report["rows"] if r["gamma"] == 3 and r["pipeline"] == 1)
+    assert piped_3["tuner"]["ahead"]["verify_by_positions"]["4"]["count"] > 0, piped_3["tuner"]
     table = (out / "adaptive.md").read_text()
     assert "every output equals the target alone's" in table and "beats every fixed setting" in table
     assert "Model check" in table and "| 5 | sampled |" in table

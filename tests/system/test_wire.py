@@ -10,6 +10,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
+from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import vocabulary_from_hf
@@ -51,7 +52,7 @@ def test_model_info_describes_the_target(server, test_pair):
     assert info.max_gamma == 8 and info.max_context == 512
     assert list(info.special_tokens.eos_token_ids) == [tokenizer.eos_token_id]
     assert info.special_tokens.bos_token_id == tokenizer.bos_token_id
-    assert info.max_message_bytes == 1 << 20
+    assert info.max_message_bytes == wire.message_bytes_for(512)  # what the context needs (serve's default)
 
 
 def test_draft_and_target_fingerprints_agree(test_pair):

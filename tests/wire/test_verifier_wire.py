@@ -70,6 +70,21 @@ def test_an_oversize_message_is_resource_exhausted(server, info):
     assert server.healthy()
 
 
+def test_the_message_limit_is_what_the_context_needs(server, info):
+    """By default a verifier takes the largest open its context holds (every id at its longest, 5 bytes,
+    and 64 KiB for the rest), stated in its model info. An open far over the context is refused by gRPC
+    from its length (RESOURCE_EXHAUSTED), before Python parses it; the 1 MiB limit before let a 750 KB
+    one through to the parser (INVALID_ARGUMENT), which took the engine's core (docs/limits.md)."""
+    assert info.max_message_bytes == wire.message_bytes_for(info.max_context) < wire.MAX_MESSAGE_BYTES
+    over = open_msg(info, prompt=[300] * (info.max_message_bytes // 2))  # 2 bytes an id
+    refused(server.address, [over], EXHAUSTED, "")
+    # A whole context of the longest ids fits: it reaches the parser, which refuses its ids.
+    longest = open_msg(info, prompt=[(1 << 32) - 1] * info.max_context)
+    assert longest.ByteSize() > info.max_message_bytes - wire.MESSAGE_SLACK
+    refused(server.address, [longest], INVALID, "")
+    assert server.healthy()
+
+
 def test_bytes_that_are_no_message_are_invalid_argument(server):
     async def run():
         async with grpc.aio.insecure_channel(server.address) as channel:

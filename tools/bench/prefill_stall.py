@@ -6,11 +6,14 @@ the flood is N thin sessions whose edge never reads (`serve --thin-read-ahead`, 
     python -m tools.bench.prefill_stall [--target DIR] [--prompt-tokens 5000] [--floods 2]
     python -m tools.bench.prefill_stall --thin 50 --thin-tokens 1000 --read-aheads 64,100000
     python -m tools.bench.prefill_stall --refused 2000 --refusal-limits 0,20
+    python -m tools.bench.prefill_stall --refused 2000 --message-limits 1048576,auto
 
-With --refused N, the flood is N opens of about 1 MiB each (a prompt far over the context, which the
-verifier refuses with INVALID_ARGUMENT), 8 at a time on the bystander's connection; the arms differ in
-`serve --max-refused-opens-per-s` (0: every open parsed; 20: past 20 refusals in a second, the client's
-next opens are refused unread), and each reports its opens per second and their statuses.
+With --refused N, the flood is N opens of about 750 KB each (a prompt far over the context), 8 at a time on
+the bystander's connection; the arms differ in `serve --max-refused-opens-per-s` (0: every open parsed
+and refused with INVALID_ARGUMENT; 20: past 20 refusals in a second, the client's next opens are refused
+unread), or with --message-limits in `serve --max-message-bytes` (an open over it is refused by gRPC from
+its length, RESOURCE_EXHAUSTED, before Python sees it), and each reports its opens per second and their
+statuses.
 
 Each arm starts its own `serve` pinned to the verifier's core. A bystander (on the other core) plays
 rounds of 5 draft tokens with a 20 ms pause between them (its draft), first alone, then while `--floods`
@@ -112,7 +115,8 @@ async def thin_flood(stub, sessions: int, tokens: int) -> list:
 async def refused_flood(channel, opens: int, concurrency: int = 8) -> collections.Counter:
     """`opens` oversized opens (about 1 MiB: 250,000 ids, far over the context), `concurrency` at a
     time; returns how many ended with each status (INVALID_ARGUMENT: parsed and refused;
-    RESOURCE_EXHAUSTED: refused unread, the client having had too many refused)."""
+    RESOURCE_EXHAUSTED: refused unread, the client having had too many refused, or by gRPC from the
+    message's length, over --max-message-bytes)."""
     prompt = [random.Random(7).randrange(1 << 14, 1 << 21) for _ in range(250_000)]
     message = pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=prompt)).SerializeToString()
     left, codes = opens, collections.Counter()
@@ -208,18 +212,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--refusal-limits", default="0,20", help="with --refused: each arm's --max-refused-opens-per-s"
     )
+    p.add_argument(
+        "--message-limits",
+        help="with --refused: each arm's --max-message-bytes instead (auto: serve's default, the context's)",
+    )
     args = p.parse_args(argv)
     os.sched_setaffinity(0, {1 - args.verifier_cpu})  # the bystander and floods: the other core
     results = {}
     flag, values = ("--prefill-share", args.shares)
     if args.thin:
         flag, values = "--thin-read-ahead", args.read_aheads
+    elif args.refused and args.message_limits:
+        flag, values = "--max-message-bytes", args.message_limits
     elif args.refused:
         flag, values = "--max-refused-opens-per-s", args.refusal_limits
     elif args.prefill_s:
         flag, values = "--max-prefill-s", args.prefill_s
     for value in values.split(","):
-        extra = ["--dtype", "float32", flag, value, "--prefix-cache-mb", "0", "--max-sessions", "512"]
+        arm_flag = [] if value == "auto" else [flag, value]
+        extra = ["--dtype", "float32", *arm_flag, "--prefix-cache-mb", "0", "--max-sessions", "512"]
         extra += ["--max-sessions-per-client", "512", "--client-kv-share", "1"]
         with ServerProcess(args.target, *extra, cpus=(args.verifier_cpu,), timeout=300) as server:
             results[f"{flag} {value}"] = asyncio.run(arm(server.address, args))

@@ -185,12 +185,24 @@ def tuner_view(tuner) -> dict:
             str(n): {"ms": round(1000 * s, 2), "count": line.counts[n]} for n, s in sorted(line.means.items())
         }
 
+    def ms(*seconds: float) -> list[float]:
+        return [round(1000 * s, 2) for s in seconds]
+
+    def view(costs, draft, verify) -> dict:
+        return {
+            "verify_by_positions": sizes(verify),  # the figures, then what the model uses at each size
+            "verify_estimate_ms": {str(n): ms(s)[0] for n, s in sorted(costs.verify_measured.items())},
+            "verify_line_ms": ms(costs.verify_fixed_s, costs.verify_position_s),
+            "draft_by_tokens": sizes(draft),
+            "draft_line_ms": ms(costs.draft_fixed_s, costs.draft_token_s),
+        }
+
+    # "in turn": drafting and verifying one after the other (depth 0); "ahead": side by side (pipelined).
+    # Where one was never measured, its estimates are the other's (Tuner.estimates).
     return {
         "acceptance": [round(a, 3) for a in est.acceptance],
-        "verify_by_positions": sizes(tuner.verify),
-        "verify_line_ms": [round(1000 * est.verify_fixed_s, 2), round(1000 * est.verify_position_s, 2)],
-        "draft_by_tokens": sizes(tuner.draft),
-        "draft_line_ms": [round(1000 * est.draft_fixed_s, 2), round(1000 * est.draft_token_s, 2)],
+        "in_turn": view(est, tuner.draft, tuner.verify),
+        "ahead": view(est.costs(ahead=True), tuner.draft_ahead, tuner.verify_ahead),
     }
 
 
