@@ -47,9 +47,14 @@ from transformers.pytorch_utils import Conv1D
 # 1536-wide down projection changes at 130; the layout packed for 32 rows changes at 33). On an AMD EPYC
 # with AVX512-BF16 and no AMX, oneDNN's one-row kernel differs from its many-row one there (the 1536 -> 576
 # down projection), as in float32: padding a lone row to two is invariant on both CPUs, at any row hint.
+# Fewer than 4 rows are padded to 4, in both dtypes: inside the invariant range, so the same bits, and
+# faster, since oneDNN's kernel for 2 rows is slower than its kernel for 4 on these layouts (on an AMD
+# EPYC with AVX512-BF16, float32, one core: Qwen2.5-1.5B's 1536 -> 151936 lm_head 70 ms for 2 rows,
+# 50 ms for 4; the whole forward of 1 new position 584 ms padded to 2, 401 ms padded to 4, and of 2
+# positions 547 and 419 ms; docs/benchmarks.md, "Small forwards padded to 4 rows").
 ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
-    torch.float32: (32, 2, 256),
-    torch.bfloat16: (1, 2, 128),
+    torch.float32: (32, 4, 256),
+    torch.bfloat16: (1, 4, 128),
 }
 
 
