@@ -198,8 +198,10 @@ def test_refused_large_opens_do_not_stay_in_memory(test_pair):
                 codes |= set(await asyncio.gather(*(one() for _ in range(40))))
             return codes
 
-    # Every open parsed and refused (none refused unread: that path is tests/wire's).
-    flags = ("--dtype", "float32", "--max-refused-opens-per-s", "0")
+    # Every open parsed and refused (none refused unread: that path is tests/wire's). The default
+    # message limit follows the context and would have gRPC refuse these from their length, unparsed
+    # (tests/wire): 1 MiB lets them reach the parser, whose memory this test is about.
+    flags = ("--dtype", "float32", "--max-refused-opens-per-s", "0", "--max-message-bytes", str(1 << 20))
     with ServerProcess(test_pair.target_dir, *flags) as server:
         warm = asyncio.run(refusals(server.address, 80))
         before = rss_mb(server.proc.pid)
