@@ -247,8 +247,7 @@ class Pool:
             old = self._channels.pop(name, None)
             if old is not None:
                 self._spawn(old.close())
-            limit = self.config.front.max_message_bytes or wire.MAX_MESSAGE_BYTES
-            self._channels[name] = wire.channel(info.address, self._hop, limit)
+            self._channels[name] = wire.channel(info.address, self._hop, self.config.front.message_limit)
         self.info[name] = info
         slot.numerics = info.numerics
         if slot.state is State.DRAINING:

@@ -69,7 +69,6 @@ class CostLine:
         self.fixed_share = fixed_share
         self.means: dict[int, float] = {}  # size -> smoothed seconds
         self.counts: dict[int, int] = {}  # size -> figures seen
-        self.weights: dict[int, float] = {}  # size -> figures its smoothed mean stands for
         # The smoothed square of a figure's relative distance from its size's mean: a 10 % spread until
         # some size is seen twice.
         self.noise = 0.01
@@ -87,20 +86,20 @@ class CostLine:
         weight = max(self.smoothing, 1 / (self.counts.get(size, 0) + 1))
         self.means[size] = seconds if old is None else old + weight * (seconds - old)
         self.counts[size] = self.counts.get(size, 0) + 1
-        self.weights[size] = min(self.weights.get(size, 0.0) + 1, 1 / self.smoothing)
 
     @property
     def seen(self) -> bool:
         return bool(self.means)
 
-    def _figures(self) -> dict[int, float]:
-        return {n: max(w, 1e-6) for n, w in self.weights.items()}
+    def figures(self) -> dict[int, float]:
+        """The figures each size's smoothed mean stands for: its count, at most 1 / smoothing."""
+        return {n: min(c, 1 / self.smoothing) for n, c in self.counts.items()}
 
     def line(self) -> tuple[float, float]:
         """(fixed seconds, seconds per unit), both >= 0; (0, 0) before any figure."""
         if not self.means:
             return 0.0, 0.0
-        weights = self._figures()
+        weights = self.figures()
         total = sum(weights.values())
         mean_n = sum(w * n for n, w in weights.items()) / total
         mean_s = sum(w * self.means[n] for n, w in weights.items()) / total
@@ -127,7 +126,7 @@ class CostLine:
             return {}
         fixed, slope = self.line()
         on_line = {n: fixed + slope * n for n in self.means}
-        figures = self._figures()  # what each size's mean stands for, and so the noise left in it
+        figures = self.figures()  # what each size's mean stands for, and so the noise left in it
         distance = {n: self.means[n] / on_line[n] - 1 if on_line[n] > 0 else 0.0 for n in self.means}
         spread = sum(figures[n] * (distance[n] ** 2 - self.noise / figures[n]) for n in self.means)
         spread = max(0.0, spread / sum(figures.values()))

@@ -338,7 +338,8 @@ class Tuner:
         verify_ahead = self.verify_ahead if self.verify_ahead.seen else verify
         in_turn, beside = self.verify.sizes(), self.verify_ahead.sizes()
         both = in_turn.keys() & beside.keys()
-        weights = {n: min(self.verify.weights[n], self.verify_ahead.weights[n]) for n in both}
+        turn_figures, beside_figures = self.verify.figures(), self.verify_ahead.figures()
+        weights = {n: min(turn_figures[n], beside_figures[n]) for n in both}
         ratio = 1.0
         if weights:
             ratio = sum(w * beside[n] for n, w in weights.items())

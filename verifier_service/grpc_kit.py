@@ -60,6 +60,12 @@ class ServerConfig:
     gamma_cap: CapConfig = CapConfig()  # the γ cap the verdicts advertise under load (gamma_cap.py)
 
     @property
+    def message_limit(self) -> int:
+        """The largest message taken: the configured one, else 1 MiB (start_server sets a verifier's from
+        its target's context first, so this default is a pool front's)."""
+        return self.max_message_bytes or wire.MAX_MESSAGE_BYTES
+
+    @property
     def stream(self) -> StreamConfig:
         """What the sessions run under (verifier_service.stream)."""
         return StreamConfig(
@@ -122,9 +128,7 @@ def make_server(config: ServerConfig, guards: list | None = None) -> grpc.aio.Se
 
     Raises OSError or auth.BadTokenFile when the token file cannot be read."""
     # What the server sends (verdicts, model info with its chat template) is its own: 1 MiB bounds it.
-    options = wire.message_size_options(
-        config.max_message_bytes or wire.MAX_MESSAGE_BYTES, wire.MAX_MESSAGE_BYTES
-    )
+    options = wire.message_size_options(config.message_limit, wire.MAX_MESSAGE_BYTES)
     if guards is None:
         guards = auth.interceptors(config.auth, config.tls)
     return grpc.aio.server(
