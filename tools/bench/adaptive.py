@@ -7,6 +7,11 @@ It reuses `draftwire bench`'s machinery (tools/bench/speed.py): the same prompts
 (RTT, mode); its rows take turns prompt by prompt (tools.bench.speed.RowRun). At each, the adaptive row
 (one tuner learning across the point's prompts, as in a chat) is compared with the best fixed setting
 there, and over the whole set with every fixed setting (the sum of tokens/s and their geometric mean).
+
+Where the rig's noise is wider than the 5 % margins read here, `--repeats N` plays each point's
+interleaved pass N times, a fresh session (and tuner) each time: a setting's figure at a point is then
+its median over the passes, and the tables give the spread, the adaptive row over the best fixed one
+pass by pass, and the fixed rows' own spread (max - min over median).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import math
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -32,8 +38,9 @@ from tools.rig import devices
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
 
 
-async def run_all(config: BenchConfig, log=print) -> dict:
-    """Every point: the adaptive row, then each fixed (γ in config.gammas, depth in config.pipelines)."""
+async def run_all(config: BenchConfig, log=print, repeats: int = 1) -> dict:
+    """Every point: the adaptive row, then each fixed (γ in config.gammas, depth in config.pipelines),
+    `repeats` interleaved passes each."""
     from tools.bench import target_arms
 
     reference = {r.mode: r for r in target_arms.in_child(config, log) if r.arm == "a"}
@@ -48,8 +55,17 @@ async def run_all(config: BenchConfig, log=print) -> dict:
         for rtt in config.rtts_ms:
             async with route(host, int(port), rtt) as address:
                 for mode in reference:
-                    log(f"{rtt:g} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings")
-                    rows += await interleaved(config, drafter, address, server.address, mode, rtt, settings)
+                    for repeat in range(repeats):
+                        log(
+                            f"{rtt:g} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings"
+                            + (f", pass {repeat + 1} of {repeats}" if repeats > 1 else "")
+                        )
+                        # Each pass starts the rotation elsewhere, so no setting always runs first.
+                        order = settings[repeat:] + settings[:repeat]
+                        here = await interleaved(config, drafter, address, server.address, mode, rtt, order)
+                        for row in here:
+                            row.repeat = repeat
+                        rows += here
     return summarize(config, reference, rows)
 
 
@@ -91,30 +107,50 @@ async def interleaved(config, drafter, address, upstream, mode, rtt, settings, t
     return rows
 
 
+ADAPTIVE = "adaptive"
+
+
+def _setting(row: Row) -> str | tuple[int, int]:
+    return ADAPTIVE if row.pipeline == -1 else (row.gamma, row.pipeline)
+
+
 def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -> dict:
-    """Per point the adaptive and the best fixed tokens/s; over the set, adaptive against each fixed."""
+    """Per point the adaptive and the best fixed tokens/s, each a setting's median over the point's
+    passes (its one figure when there is one pass), with the adaptive row over the best fixed one pass
+    by pass and the fixed rows' spread; over the set, adaptive against each fixed setting."""
     points, fixed_rates = [], {}
     for rtt in config.rtts_ms:
         for mode in reference:
-            here = [r for r in rows if r.rtt_ms == rtt and r.mode == mode]
-            adaptive = next(r for r in here if r.pipeline == -1)
-            fixed = [r for r in here if r.pipeline != -1]
-            best = max(fixed, key=lambda r: r.tokens_per_s)
-            for r in fixed:
-                fixed_rates.setdefault((r.gamma, r.pipeline), []).append(r.tokens_per_s)
+            here: dict[str | tuple[int, int], list[Row]] = {}
+            for r in rows:
+                if r.rtt_ms == rtt and r.mode == mode:
+                    here.setdefault(_setting(r), []).append(r)
+            rates = {k: [r.tokens_per_s for r in v] for k, v in here.items()}
+            median = {k: statistics.median(v) for k, v in rates.items()}
+            fixed = [k for k in here if k != ADAPTIVE]
+            best = max(fixed, key=median.__getitem__)
+            for k in fixed:
+                fixed_rates.setdefault(k, []).append(median[k])
+            adaptive = here[ADAPTIVE]
+            best_by_pass = {r.repeat: r.tokens_per_s for r in here[best]}
+            spreads = [(max(rates[k]) - min(rates[k])) / median[k] for k in fixed]
             points.append(
                 {
                     "rtt_ms": rtt,
                     "mode": mode,
-                    "adaptive_tokens_per_s": adaptive.tokens_per_s,
-                    "adaptive_label": adaptive.label,
-                    "adaptive_acceptance": adaptive.acceptance,
-                    "adaptive_of_bound": adaptive.share_of_bound,
-                    "best_fixed": [best.gamma, best.pipeline],
-                    "best_fixed_tokens_per_s": best.tokens_per_s,
-                    "of_best": adaptive.tokens_per_s / best.tokens_per_s,
-                    "within": adaptive.tokens_per_s >= (1 - WITHIN) * best.tokens_per_s,
-                    "rank": 1 + sum(r.tokens_per_s > adaptive.tokens_per_s for r in fixed),
+                    "passes": len(adaptive),
+                    "adaptive_tokens_per_s": median[ADAPTIVE],
+                    "adaptive_label": adaptive[0].label,
+                    "adaptive_ended": [r.label.split("adaptive ")[-1].strip("()") for r in adaptive],
+                    "adaptive_acceptance": statistics.median(r.acceptance or 0.0 for r in adaptive),
+                    "adaptive_of_bound": statistics.median(r.share_of_bound or 0.0 for r in adaptive),
+                    "best_fixed": list(best),
+                    "best_fixed_tokens_per_s": median[best],
+                    "of_best": median[ADAPTIVE] / median[best],
+                    "of_best_by_pass": [r.tokens_per_s / best_by_pass[r.repeat] for r in adaptive],
+                    "fixed_spread": statistics.median(spreads),  # a fixed row's (max - min) / median
+                    "within": median[ADAPTIVE] >= (1 - WITHIN) * median[best],
+                    "rank": 1 + sum(median[k] > median[ADAPTIVE] for k in fixed),
                     "fixed_settings": len(fixed),
                 }
             )
@@ -130,10 +166,11 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
     overall["beats_every_fixed_by_sum"] = overall["adaptive"]["sum"] > best_sum[1]["sum"]
     overall["beats_every_fixed_by_geomean"] = overall["adaptive"]["geomean"] > best_geo[1]["geomean"]
     overall["within_at_every_point"] = all(p["within"] for p in points)
+    passes = max(r.repeat for r in rows) + 1
     exact = {
-        f"{r.mode}/rtt{r.rtt_ms:g}/" + ("adaptive" if r.pipeline == -1 else f"g{r.gamma}/p{r.pipeline}"): (
-            r.outputs == reference[r.mode].outputs
-        )
+        f"{r.mode}/rtt{r.rtt_ms:g}/"
+        + ("adaptive" if r.pipeline == -1 else f"g{r.gamma}/p{r.pipeline}")
+        + (f"/pass{r.repeat + 1}" if passes > 1 else ""): (r.outputs == reference[r.mode].outputs)
         for r in rows
     }
     return {
@@ -141,6 +178,7 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
             k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "prompts"
         },
         "prompts": len(config.prompts),
+        "passes": passes,
         "target_alone_tokens_per_s": {m: r.tokens_per_s for m, r in reference.items()},
         "points": points,
         "overall": overall,
@@ -161,18 +199,30 @@ def _geomean(values: list[float]) -> float:
 
 
 def markdown(report: dict) -> str:
+    passes = report.get("passes", 1)
+    spread = passes > 1  # the pass-by-pass columns
+    head = "| RTT ms | mode | adaptive tok/s | where it ended | best fixed (γ, depth) | best tok/s | of best "
+    head += "| of best, pass by pass | fixed rows' spread " if spread else ""
     lines = [
-        "| RTT ms | mode | adaptive tok/s | where it ended | best fixed (γ, depth) | best tok/s | of best "
-        "| within 5 % | rank |",
-        "|" + "---|" * 9,
+        (f"Each figure the median of {passes} interleaved passes.\n\n" if spread else "")
+        + head
+        + "| within 5 % | rank |",
+        "|" + "---|" * (11 if spread else 9),
     ]
     for p in report["points"]:
-        ended = p["adaptive_label"].split("adaptive ")[-1].strip("()")
-        lines.append(
-            f"| {p['rtt_ms']:g} | {p['mode']} | {p['adaptive_tokens_per_s']:.1f} | {ended} "
-            f"| {tuple(p['best_fixed'])} | {p['best_fixed_tokens_per_s']:.1f} | {p['of_best']:.2f} "
-            f"| {'yes' if p['within'] else 'no'} | {p['rank']} of {p['fixed_settings'] + 1} |"
-        )
+        cells = [
+            f"{p['rtt_ms']:g}",
+            p["mode"],
+            f"{p['adaptive_tokens_per_s']:.2f}",
+            "; ".join(p.get("adaptive_ended", [p["adaptive_label"].split("adaptive ")[-1].strip("()")])),
+            f"{tuple(p['best_fixed'])}",
+            f"{p['best_fixed_tokens_per_s']:.2f}",
+            f"{p['of_best']:.2f}",
+        ]
+        if spread:
+            cells += [", ".join(f"{x:.2f}" for x in p["of_best_by_pass"]), f"{p['fixed_spread']:.2f}"]
+        cells += ["yes" if p["within"] else "no", f"{p['rank']} of {p['fixed_settings'] + 1}"]
+        lines.append("| " + " | ".join(cells) + " |")
     o = report["overall"]
     fixed = sorted(o["fixed"].items(), key=lambda kv: -kv[1]["geomean"])
     lines += [
@@ -210,8 +260,8 @@ BOUND_CHECK = (
 
 def ratio_table(rows: list[dict], key: str, title: str) -> list[str]:
     """Measured tokens/s over each row's figure `key` (the tuner's prediction for its setting, the tuner
-    learning from fixed rows too; or its bound), a column per setting: where the figure is off, and
-    whether it is off alike everywhere."""
+    learning from fixed rows too; or its bound), a column per setting (the median over passes): where
+    the figure is off, and whether it is off alike everywhere."""
     rows = [r for r in rows if r.get(key)]
     if not rows:
         return []
@@ -219,14 +269,12 @@ def ratio_table(rows: list[dict], key: str, title: str) -> list[str]:
     head = ["RTT ms", "mode", "adaptive", *(f"{g},{d}" for g, d in settings)]
     lines = [f"{title} (γ,depth columns).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rtt, mode in dict.fromkeys((r["rtt_ms"], r["mode"]) for r in rows):
-        here = {
-            (r["gamma"], r["pipeline"]) if r["pipeline"] >= 0 else "a": r
-            for r in rows
-            if r["rtt_ms"] == rtt and r["mode"] == mode
-        }
-        cells = [
-            f"{here[k]['tokens_per_s'] / here[k][key]:.2f}" if k in here else "" for k in ["a", *settings]
-        ]
+        here: dict = {}  # a setting's ratios, one a pass
+        for r in rows:
+            if r["rtt_ms"] == rtt and r["mode"] == mode:
+                k = (r["gamma"], r["pipeline"]) if r["pipeline"] >= 0 else "a"
+                here.setdefault(k, []).append(r["tokens_per_s"] / r[key])
+        cells = [f"{statistics.median(here[k]):.2f}" if k in here else "" for k in ["a", *settings]]
         lines.append(f"| {rtt:g} | {mode} | " + " | ".join(cells) + " |")
     return lines
 
@@ -241,6 +289,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rtts", type=id_list, default=(0, 10, 30, 80), help="round-trip times in ms (0: loopback)"
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved passes of each point, a fresh session each; figures are medians over them",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/adaptive"), help="adaptive.json, adaptive.md")
     return p
 
@@ -248,7 +302,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     config = BenchConfig.from_args(args, pipelines=args.depths)
-    report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    if args.repeats < 1:
+        raise SystemExit("draftwire: --repeats must be at least 1")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    report = asyncio.run(run_all(config, log=log, repeats=args.repeats))
     flags = argv if argv is not None else sys.argv[1:]
     report["command"] = " ".join(["python -m tools.bench.adaptive", *flags])
     args.out.mkdir(parents=True, exist_ok=True)

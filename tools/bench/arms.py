@@ -136,6 +136,7 @@ class Row:
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     bound_tokens_per_s: float | None = None  # zero_overhead_bound
     share_of_bound: float | None = None  # tokens/s over the bound
+    repeat: int = 0  # which pass of a point played it (tools.bench.adaptive --repeats)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property

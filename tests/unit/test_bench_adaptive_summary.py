@@ -1,0 +1,76 @@
+"""The adaptive bench's summary over interleaved passes (tools.bench.adaptive --repeats): a setting's
+figure at a point is its median over the passes, the adaptive row is compared with the best fixed
+setting pass by pass, and the fixed rows' spread is reported. Hand-made rows; the bench's real run is
+tests/system/test_bench_adaptive.py."""
+
+from pathlib import Path
+
+import pytest
+
+from tools.bench.adaptive import markdown, summarize
+from tools.bench.arms import BenchConfig, Row
+
+OUT = [[1, 2, 3]]
+
+
+def row(setting, rate, repeat, label="draftwire"):
+    gamma, depth = setting
+    return Row(
+        "c",
+        label,
+        "greedy",
+        gamma,
+        0.0,
+        depth,
+        tokens=int(rate * 100),
+        wall_s=100.0,
+        repeat=repeat,
+        outputs=OUT,
+    )
+
+
+def test_medians_over_passes_pick_the_best_and_compare_pass_by_pass():
+    config = BenchConfig(Path("t"), Path("d"), None, ((1, 2),), rtts_ms=(0,))
+    adaptive = "draftwire, adaptive (ended at γ 2, depth 1; 3 moves)"
+    by_pass = {  # tokens/s: pass 0, 1, 2
+        (2, 0): (4.0, 3.0, 3.8),  # median 3.8: the best fixed setting
+        (4, 0): (4.4, 3.2, 3.6),  # the best single figure, but median 3.6
+        (0, -1): (3.7, 3.1, 3.65),  # adaptive: median 3.65
+    }
+    rows = [
+        row(s, rates[p], p, adaptive if s == (0, -1) else "draftwire")
+        for p in range(3)
+        for s, rates in by_pass.items()
+    ]
+    report = summarize(
+        config, {"greedy": Row("a", "alone", "greedy", tokens=200, wall_s=100.0, outputs=OUT)}, rows
+    )
+    (point,) = report["points"]
+    assert report["passes"] == point["passes"] == 3
+    assert point["best_fixed"] == [2, 0] and point["best_fixed_tokens_per_s"] == pytest.approx(3.8)
+    assert point["adaptive_tokens_per_s"] == pytest.approx(3.65)
+    assert point["of_best"] == pytest.approx(3.65 / 3.8) and point["within"]
+    assert point["of_best_by_pass"] == pytest.approx([3.7 / 4.0, 3.1 / 3.0, 3.65 / 3.8])
+    # (4.0 - 3.0) / 3.8 and (4.4 - 3.2) / 3.6: their median
+    assert point["fixed_spread"] == pytest.approx((1.0 / 3.8 + 1.2 / 3.6) / 2)
+    assert point["rank"] == 1 + 1  # only (2, 0)'s median is above the adaptive one
+    assert point["adaptive_ended"] == ["ended at γ 2, depth 1; 3 moves"] * 3
+    assert report["overall"]["fixed"]["4,0"]["sum"] == pytest.approx(3.6)
+    assert len(report["exact"]) == 9 and all(report["exact"].values())
+    assert "greedy/rtt0/adaptive/pass3" in report["exact"]
+    table = markdown(report)
+    assert "median of 3 interleaved passes" in table
+    assert "| 0.93, 1.03, 0.96 |" in table
+
+
+def test_one_pass_keeps_the_plain_table():
+    config = BenchConfig(Path("t"), Path("d"), None, ((1, 2),), rtts_ms=(0,))
+    rows = [row((2, 0), 4.0, 0), row((0, -1), 3.9, 0, "draftwire, adaptive (ended at γ 2, depth 0; 1 moves)")]
+    report = summarize(
+        config, {"greedy": Row("a", "alone", "greedy", tokens=200, wall_s=100.0, outputs=OUT)}, rows
+    )
+    (point,) = report["points"]
+    assert point["fixed_spread"] == 0 and point["of_best_by_pass"] == pytest.approx([3.9 / 4.0])
+    assert "exact" in report and "greedy/rtt0/adaptive" in report["exact"]
+    table = markdown(report)
+    assert "pass by pass" not in table and "| 0 | greedy | 3.90 | ended at γ 2, depth 0; 1 moves |" in table
