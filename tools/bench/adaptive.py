@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import statistics
 import sys
 from dataclasses import asdict
@@ -190,6 +191,14 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
     }
 
 
+def _ended(ends: list[str]) -> str:
+    """Where the adaptive row ended: its label's words for one pass, (γ, depth) a pass for several."""
+    if len(ends) == 1:
+        return ends[0]
+    settings = [re.search(r"γ (\d+), depth (\d+)", e) for e in ends]
+    return ", ".join(f"({m[1]}, {m[2]})" if m else e for m, e in zip(settings, ends, strict=True))
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -214,7 +223,7 @@ def markdown(report: dict) -> str:
             f"{p['rtt_ms']:g}",
             p["mode"],
             f"{p['adaptive_tokens_per_s']:.2f}",
-            "; ".join(p.get("adaptive_ended", [p["adaptive_label"].split("adaptive ")[-1].strip("()")])),
+            _ended(p.get("adaptive_ended") or [p["adaptive_label"].split("adaptive ")[-1].strip("()")]),
             f"{tuple(p['best_fixed'])}",
             f"{p['best_fixed_tokens_per_s']:.2f}",
             f"{p['of_best']:.2f}",
