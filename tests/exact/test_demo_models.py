@@ -110,27 +110,18 @@ def test_demo_answers_once():
 
 
 def test_greedy_speculation_with_the_demo_pair_equals_transformers(tokenizer):
-    import asyncio
-
-    import grpc
-
     from edge_client.drafter import DrafterConfig, LlamaDrafter
-    from edge_client.session import EdgeSession, GenerationRequest
+    from edge_client.session import GenerationRequest
     from tools.rig.serverproc import ServerProcess
+    from tools.testkit.edge import run_requests
     from tools.testkit.oracle import transformers_greedy
 
     prompts = [w[:40] for w in heldout_windows(tokenizer, 4)]
     expected = transformers_greedy(FILES.target, prompts, 32)
     drafter = LlamaDrafter(DrafterConfig(FILES.gguf(DEMO_DRAFT)))
 
-    async def run():
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            session = EdgeSession(channel, drafter)
-            return [
-                await session.run(GenerationRequest(tuple(p), max_new_tokens=32, gamma=4)) for p in prompts
-            ]
-
+    requests = [GenerationRequest(tuple(p), max_new_tokens=32, gamma=4) for p in prompts]
     with ServerProcess(FILES.target, "--dtype", "float32") as server:  # transformers' float32 generate
-        results = asyncio.run(run())
+        results = run_requests(server.address, drafter, requests)
     assert [ids for ids, _ in results] == expected
     assert sum(s.accepted_tokens for _, s in results) / sum(s.draft_tokens for _, s in results) > 0.3

@@ -26,6 +26,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.models.kit import stdlib_texts
 from tools.rig.serverproc import DRAFTWIRE
+from tools.testkit.edge import run_requests as speculate
 from tools.testkit.oracle import cached_references, transformers_greedy
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
@@ -56,17 +57,6 @@ def drafters(test_pair) -> dict[str, LlamaDrafter]:
 @pytest.fixture(scope="module")
 def engine(test_pair) -> TargetEngine:
     return TargetEngine.load(test_pair.target_dir, dtype="float32")
-
-
-def speculate(address: str, drafter: LlamaDrafter, requests: list[GenerationRequest]):
-    """Runs the requests one after another on one channel; returns [(ids, stats)]."""
-
-    async def run():
-        async with grpc.aio.insecure_channel(address) as channel:
-            session = EdgeSession(channel, drafter)
-            return [await session.run(r) for r in requests]
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,19 @@ DRAFTWIRE_FETCHED=required, which makes a missing pair a failure instead of a sk
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
-from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
 from edge_client.drafter import DrafterConfig, LlamaDrafter
-from edge_client.session import EdgeSession, GenerationRequest
+from edge_client.session import GenerationRequest
 from tests.capability import fetched
 from tools.models import chunks
 from tools.models.kit import stdlib_texts
 from tools.models.pairs import GEMMA
 from tools.rig.serverproc import ServerProcess
+from tools.testkit.edge import run_requests
 from tools.testkit.oracle import transformers_greedy
 
 NEW = 16
@@ -69,13 +68,7 @@ def server(pair):
 
 def _speculate(address: str, pair, prompts, params: SamplingParams, gamma: int):
     drafter = LlamaDrafter(DrafterConfig(chunks.draft_file(pair), n_ctx=1024, n_threads=1))
-
-    async def run():
-        async with wire.insecure_channel(address) as channel:
-            session = EdgeSession(channel, drafter)
-            return [await session.run(GenerationRequest(p, params, NEW, gamma=gamma)) for p in prompts]
-
-    return asyncio.run(run())
+    return run_requests(address, drafter, [GenerationRequest(p, params, NEW, gamma=gamma) for p in prompts])
 
 
 def test_the_fetched_pair_is_the_pinned_one_and_pairs(pair):

@@ -21,6 +21,7 @@ from tests.capability import fetched
 from tools.models import chunks
 from tools.models.pairs import QWEN
 from tools.rig.serverproc import ServerProcess
+from tools.testkit.edge import run_requests
 from tools.testkit.oracle import transformers_greedy
 
 pytestmark = pytest.mark.serial  # the 1.5B target's copies take 6 to 12 GB: not beside another file
@@ -62,13 +63,7 @@ def server(pair, greedy_expected):  # after the reference model is gone: one 1.5
 
 def _generate(address: str, pair, prompts, params: SamplingParams, gamma: int = 4):
     drafter = LlamaDrafter(DrafterConfig(chunks.draft_file(pair), n_ctx=512))
-
-    async def run():
-        async with grpc.aio.insecure_channel(address) as channel:
-            session = EdgeSession(channel, drafter)
-            return [await session.run(GenerationRequest(p, params, NEW, gamma=gamma)) for p in prompts]
-
-    return asyncio.run(run())
+    return run_requests(address, drafter, [GenerationRequest(p, params, NEW, gamma=gamma) for p in prompts])
 
 
 def test_the_fetched_pair_is_the_pinned_one_and_pairs(pair):

@@ -7,17 +7,15 @@ prompts of up to 128 new tokens; seeded sampling equals `reference` across gamma
 to be loosened: bit-exact verification is where that is fixed.
 """
 
-import asyncio
-
 import pytest
 
-from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
 from edge_client.drafter import DrafterConfig, LlamaDrafter
-from edge_client.session import EdgeSession, GenerationRequest
+from edge_client.session import GenerationRequest
 from tools.models import smollm2
 from tools.models.prompts import chat_turns
 from tools.rig.serverproc import ServerProcess
+from tools.testkit.edge import run_requests
 from tools.testkit.oracle import cached_references, transformers_greedy
 from verifier_service.engine import TargetEngine
 
@@ -64,13 +62,7 @@ def server(pair):
 
 def speculate(address: str, draft, requests: list[GenerationRequest]) -> list[list[int]]:
     drafter = LlamaDrafter(DrafterConfig(draft, n_threads=1))
-
-    async def run():
-        async with wire.insecure_channel(address) as channel:
-            session = EdgeSession(channel, drafter)
-            return [(await session.run(r))[0] for r in requests]
-
-    return asyncio.run(run())
+    return [ids for ids, _ in run_requests(address, drafter, requests)]
 
 
 def test_greedy_equals_transformers_generate(pair, prompts, server):

@@ -15,8 +15,9 @@ with the target, and what speedup do the measured costs promise on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -75,18 +76,9 @@ def check_pair(
 ) -> Report:
     """Checks the pair; `prompts` default to 3 held-out chat turns (code windows where the target has
     no chat template). Raises OSError or ValueError where either side cannot be read at all."""
-    from llama_cpp import Llama
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = AutoConfig.from_pretrained(target_dir)
-    vocab_only = Llama(model_path=str(draft_path), vocab_only=True, verbose=False)
-    text_config = config.get_text_config()
-    mismatch = compare_vocabularies(
-        tokens_from_llama(vocab_only), tokens_from_hf(tokenizer, getattr(text_config, "vocab_size", None))
-    )
-    templates = _templates_equal(vocab_only.metadata.get("tokenizer.chat_template"), tokenizer.chat_template)
-    del vocab_only
+    with vocabularies(target_dir, draft_path) as (tokenizer, vocab_only, mismatch):
+        draft_template = vocab_only.metadata.get("tokenizer.chat_template")
+    templates = _templates_equal(draft_template, tokenizer.chat_template)
     if mismatch is not None:
         return Report(False, mismatch, chat_templates_equal=templates)
 
@@ -121,6 +113,27 @@ def check_pair(
     alone = 1e3 / report.target_position_ms  # the target alone: one forward a token, streamed
     report.speedup = tokens_per_second(estimates, *report.best) / alone
     return report
+
+
+@contextlib.contextmanager
+def vocabularies(target_dir: Path, draft_path: Path) -> Iterator[tuple[object, object, str | None]]:
+    """The target's tokenizer, the draft's vocabulary-only llama.cpp model (closed after), and where
+    their vocabularies differ (draftwire.vocab.compare_vocabularies; None: they do not)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from edge_client.llama_runtime import Llama
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    size = getattr(AutoConfig.from_pretrained(target_dir).get_text_config(), "vocab_size", None)
+    vocab_only = Llama(model_path=str(draft_path), vocab_only=True, verbose=False)
+    try:
+        yield (
+            tokenizer,
+            vocab_only,
+            compare_vocabularies(tokens_from_llama(vocab_only), tokens_from_hf(tokenizer, size)),
+        )
+    finally:
+        vocab_only.close()
 
 
 def _templates_equal(draft: str | None, target: str | None) -> bool | None:

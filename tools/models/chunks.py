@@ -235,20 +235,10 @@ def pairing(pair: Pair, target: Path, draft: Path) -> tuple[list[str], str]:
     templates compare (for the card). Compared: the vocabularies (each id's bytes and special bit), the
     chat templates' renderings of the pair's conversations (where the files have templates), and the
     ids each side gives the pair's sample texts."""
-    from llama_cpp import Llama
-    from transformers import AutoConfig, AutoTokenizer
+    from tools.models.check import vocabularies
 
-    from draftwire.vocab import compare_vocabularies, tokens_from_hf, tokens_from_llama
-    from edge_client.llama_runtime import load_backends
-
-    load_backends()
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    size = getattr(AutoConfig.from_pretrained(target).get_text_config(), "vocab_size", None)
-    vocab_only = Llama(model_path=str(draft), vocab_only=True, verbose=False)
-    try:
-        problems = []
-        if mismatch := compare_vocabularies(tokens_from_llama(vocab_only), tokens_from_hf(tokenizer, size)):
-            problems.append(mismatch)
+    with vocabularies(target, draft) as (tokenizer, vocab_only, mismatch):
+        problems = [mismatch] if mismatch else []
         draft_template = vocab_only.metadata.get("tokenizer.chat_template") or ""
         target_template = tokenizer.chat_template or ""
         if bool(draft_template) != bool(target_template):
@@ -267,8 +257,6 @@ def pairing(pair: Pair, target: Path, draft: Path) -> tuple[list[str], str]:
             hf = tokenizer(text, add_special_tokens=False)["input_ids"]
             if list(ours) != list(hf):
                 problems.append(f"{text[:30]!r} is {list(ours)[:12]} in llama.cpp, {hf[:12]} in transformers")
-    finally:
-        vocab_only.close()
     return problems, _template_note(pair, draft_template, target_template)
 
 
