@@ -223,7 +223,7 @@ def markdown(report: dict) -> str:
             f"{p['rtt_ms']:g}",
             p["mode"],
             f"{p['adaptive_tokens_per_s']:.2f}",
-            _ended(p.get("adaptive_ended") or [p["adaptive_label"].split("adaptive ")[-1].strip("()")]),
+            _ended(p["adaptive_ended"]),
             f"{tuple(p['best_fixed'])}",
             f"{p['best_fixed_tokens_per_s']:.2f}",
             f"{p['of_best']:.2f}",
@@ -313,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig.from_args(args, pipelines=args.depths)
     if args.repeats < 1:
         raise SystemExit("draftwire: --repeats must be at least 1")
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    report = asyncio.run(run_all(config, log=log, repeats=args.repeats))
+    report = asyncio.run(
+        run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True), repeats=args.repeats)
+    )
     flags = argv if argv is not None else sys.argv[1:]
     report["command"] = " ".join(["python -m tools.bench.adaptive", *flags])
     args.out.mkdir(parents=True, exist_ok=True)

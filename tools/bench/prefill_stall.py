@@ -40,6 +40,7 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from tools.figures import percentile
 from tools.rig.serverproc import ServerProcess
 from verifier_service.grpc_kit import SERVICE
 
@@ -172,7 +173,7 @@ async def arm(address: str, args) -> dict:
     opens_crowded = [seconds for rounds, seconds in opens if rounds > mark]
     base = statistics.median(alone)
     crowded.sort()
-    tail, tail_alone = _p95(crowded), _p95(alone)
+    tail, tail_alone = percentile(crowded, 0.95), percentile(alone, 0.95)
     return {
         "alone_ms": round(1000 * base, 1),
         "alone_p95_ms": round(1000 * tail_alone, 1),
@@ -196,11 +197,6 @@ async def arm(address: str, args) -> dict:
             else {"refused": dict(refused), "opens_per_s": round(refused.total() / prefill_s)}
         ),
     }
-
-
-def _p95(seconds: list[float]) -> float:
-    ordered = sorted(seconds)
-    return ordered[int(0.95 * (len(ordered) - 1))]
 
 
 def main(argv: list[str] | None = None) -> int:
