@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.adaptive import markdown, summarize
+from tools.bench.adaptive import across, across_markdown, markdown, summarize
 from tools.bench.arms import BenchConfig, Row
 
 OUT = [[1, 2, 3]]
@@ -74,3 +74,33 @@ def test_one_pass_keeps_the_plain_table():
     assert "exact" in report and "greedy/rtt0/adaptive" in report["exact"]
     table = markdown(report)
     assert "pass by pass" not in table and "| 0 | greedy | 3.90 | ended at γ 2, depth 0; 1 moves |" in table
+
+
+def test_across_classes_the_one_default_against_each_fixed_setting_measured_everywhere():
+    """Two classes whose best fixed settings differ: each fixed setting loses somewhere, and the
+    adaptive row, second in each class, is ahead over the set. A setting measured in one class only
+    (γ 6) is left out of the set."""
+    config = BenchConfig(Path("t"), Path("d"), None, ((1, 2),), rtts_ms=(0,))
+    alone = {"greedy": Row("a", "alone", "greedy", tokens=200, wall_s=100.0, outputs=OUT)}
+    adaptive = "draftwire, adaptive (ended at γ 4, depth 0; 1 moves)"
+
+    def report(rates):
+        rows = [row(s, r, 0, adaptive if s == (0, -1) else "draftwire") for s, r in rates.items()]
+        return summarize(config, alone, rows)
+
+    reports = {
+        "haiku": report({(2, 0): 4.0, (4, 2): 3.0, (0, -1): 3.9}),
+        "chat": report({(2, 0): 5.0, (4, 2): 7.0, (6, 0): 9.0, (0, -1): 6.8}),
+    }
+    assert not reports["chat"]["overall"]["beats_every_fixed_by_sum"]  # γ 6 wins chat alone
+    result = across(reports)
+    o = result["overall"]
+    assert set(o["fixed"]) == {"2,0", "4,2"}
+    assert o["adaptive"]["sum"] == pytest.approx(10.7) and o["fixed"]["4,2"]["sum"] == pytest.approx(10.0)
+    assert o["adaptive"]["geomean"] == pytest.approx((3.9 * 6.8) ** 0.5)
+    assert o["beats_every_fixed_by_sum"] and o["beats_every_fixed_by_geomean"]
+    assert not o["within_at_every_point"]  # chat: 6.8 against γ 6's 9.0
+    assert [(p["class"], p["within"]) for p in result["points"]] == [("haiku", True), ("chat", False)]
+    table = across_markdown(result)
+    assert "2 points: haiku, chat" in table and "| chat | 0 | greedy | 0.76 | no |" in table
+    assert "by sum yes (best fixed 4,2)" in table

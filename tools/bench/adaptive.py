@@ -12,6 +12,10 @@ Where the rig's noise is wider than the 5 % margins read here, `--repeats N` pla
 interleaved pass N times, a fresh session (and tuner) each time: a setting's figure at a point is then
 its median over the passes, and the tables give the spread, the adaptive row over the best fixed one
 pass by pass, and the fixed rows' own spread (max - min over median).
+
+`python -m tools.bench.adaptive across RUN_DIR... [--out DIR]` reads several runs (a prompt class each)
+and compares them as one set: the one default has to serve every class, where the best fixed setting
+differs from class to class, so the fixed settings are those measured at every point of every run.
 """
 
 from __future__ import annotations
@@ -155,17 +159,7 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
                     "fixed_settings": len(fixed),
                 }
             )
-    adaptive_rates = [p["adaptive_tokens_per_s"] for p in points]
-    overall = {
-        "adaptive": {"sum": sum(adaptive_rates), "geomean": _geomean(adaptive_rates)},
-        "fixed": {f"{g},{d}": {"sum": sum(v), "geomean": _geomean(v)} for (g, d), v in fixed_rates.items()},
-    }
-    best_sum = max(overall["fixed"].items(), key=lambda kv: kv[1]["sum"])
-    best_geo = max(overall["fixed"].items(), key=lambda kv: kv[1]["geomean"])
-    overall["best_fixed_by_sum"] = best_sum[0]
-    overall["best_fixed_by_geomean"] = best_geo[0]
-    overall["beats_every_fixed_by_sum"] = overall["adaptive"]["sum"] > best_sum[1]["sum"]
-    overall["beats_every_fixed_by_geomean"] = overall["adaptive"]["geomean"] > best_geo[1]["geomean"]
+    overall = over_the_set([p["adaptive_tokens_per_s"] for p in points], fixed_rates)
     overall["within_at_every_point"] = all(p["within"] for p in points)
     passes = max(r.repeat for r in rows) + 1
     exact = {
@@ -189,6 +183,92 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
         ],
         "exact": exact,
     }
+
+
+def over_the_set(adaptive_rates: list[float], fixed_rates: dict[tuple[int, int], list[float]]) -> dict:
+    """The adaptive row against each fixed setting over a set of points: each one's tokens/s (a median
+    over passes) summed, and their geometric mean (every point weighing alike, whatever its speed)."""
+    overall = {
+        "adaptive": {"sum": sum(adaptive_rates), "geomean": _geomean(adaptive_rates)},
+        "fixed": {f"{g},{d}": {"sum": sum(v), "geomean": _geomean(v)} for (g, d), v in fixed_rates.items()},
+    }
+    best_sum = max(overall["fixed"].items(), key=lambda kv: kv[1]["sum"])
+    best_geo = max(overall["fixed"].items(), key=lambda kv: kv[1]["geomean"])
+    overall["best_fixed_by_sum"] = best_sum[0]
+    overall["best_fixed_by_geomean"] = best_geo[0]
+    overall["beats_every_fixed_by_sum"] = overall["adaptive"]["sum"] > best_sum[1]["sum"]
+    overall["beats_every_fixed_by_geomean"] = overall["adaptive"]["geomean"] > best_geo[1]["geomean"]
+    return overall
+
+
+def across(reports: dict[str, dict]) -> dict:
+    """Several runs (a prompt class each, by name) as one set: every point of every run, the adaptive
+    row against each fixed setting measured at all of them (the one default has to serve every class,
+    where the best fixed setting differs by class). A setting's figure at a point is its median over
+    the run's passes."""
+    points, medians = [], []
+    for name, report in reports.items():
+        here: dict[tuple[float, str], dict] = {}
+        for r in report["rows"]:
+            key = ADAPTIVE if r["pipeline"] == -1 else (r["gamma"], r["pipeline"])
+            here.setdefault((r["rtt_ms"], r["mode"]), {}).setdefault(key, []).append(r["tokens_per_s"])
+        for p in report["points"]:
+            points.append({"class": name, **{k: p[k] for k in ("rtt_ms", "mode", "of_best", "within")}})
+            medians.append({k: statistics.median(v) for k, v in here[(p["rtt_ms"], p["mode"])].items()})
+    common = set.intersection(*(set(m) for m in medians)) - {ADAPTIVE}
+    fixed = {k: [m[k] for m in medians] for k in sorted(common)}
+    return {
+        "classes": list(reports),
+        "commands": {name: r.get("command", "") for name, r in reports.items()},
+        "points": points,
+        "overall": {
+            **over_the_set([m[ADAPTIVE] for m in medians], fixed),
+            "within_at_every_point": all(p["within"] for p in points),
+        },
+    }
+
+
+def across_markdown(report: dict) -> str:
+    o = report["overall"]
+    n = len(report["points"])
+    lines = [
+        f"{n} points: " + ", ".join(report["classes"]) + ", each at its RTTs and modes; fixed settings "
+        "measured at every point.",
+        "",
+        *_set_table(o),
+        "",
+        "| class | RTT ms | mode | adaptive of best fixed | within 5 % |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {p['class']} | {p['rtt_ms']:g} | {p['mode']} | {p['of_best']:.2f} | {_yes(p['within'])} |"
+            for p in report["points"]
+        ),
+        "",
+        *_verdict(o),
+    ]
+    return "\n".join(lines)
+
+
+def _set_table(o: dict) -> list[str]:
+    fixed = sorted(o["fixed"].items(), key=lambda kv: -kv[1]["geomean"])
+    return [
+        "| setting | sum tok/s | geomean tok/s |",
+        "|---|---|---|",
+        f"| **adaptive** | {o['adaptive']['sum']:.1f} | {o['adaptive']['geomean']:.2f} |",
+        *(
+            f"| fixed γ {k.replace(',', ', depth ')} | {v['sum']:.1f} | {v['geomean']:.2f} |"
+            for k, v in fixed
+        ),
+    ]
+
+
+def _verdict(o: dict) -> list[str]:
+    return [
+        f"within 5 % of the best fixed setting at every point: {_yes(o['within_at_every_point'])}",
+        f"beats every fixed setting over the set: by sum {_yes(o['beats_every_fixed_by_sum'])}"
+        f" (best fixed {o['best_fixed_by_sum']}), by geometric mean "
+        f"{_yes(o['beats_every_fixed_by_geomean'])} (best fixed {o['best_fixed_by_geomean']})",
+    ]
 
 
 def _ended(ends: list[str]) -> str:
@@ -232,23 +312,7 @@ def markdown(report: dict) -> str:
             cells += [", ".join(f"{x:.2f}" for x in p["of_best_by_pass"]), f"{p['fixed_spread']:.2f}"]
         cells += ["yes" if p["within"] else "no", f"{p['rank']} of {p['fixed_settings'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
-    o = report["overall"]
-    fixed = sorted(o["fixed"].items(), key=lambda kv: -kv[1]["geomean"])
-    lines += [
-        "",
-        "| setting | sum tok/s | geomean tok/s |",
-        "|---|---|---|",
-        f"| **adaptive** | {o['adaptive']['sum']:.1f} | {o['adaptive']['geomean']:.2f} |",
-        *(
-            f"| fixed γ {k.replace(',', ', depth ')} | {v['sum']:.1f} | {v['geomean']:.2f} |"
-            for k, v in fixed
-        ),
-        "",
-        f"within 5 % of the best fixed setting at every point: {_yes(o['within_at_every_point'])}",
-        f"beats every fixed setting over the set: by sum {'yes' if o['beats_every_fixed_by_sum'] else 'no'}"
-        f" (best fixed {o['best_fixed_by_sum']}), by geometric mean "
-        f"{'yes' if o['beats_every_fixed_by_geomean'] else 'no'} (best fixed {o['best_fixed_by_geomean']})",
-    ]
+    lines += ["", *_set_table(report["overall"]), "", *_verdict(report["overall"])]
     lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
     lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
     reused = [r.get("reused_positions", 0) for r in report["rows"]]
@@ -308,7 +372,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def across_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench.adaptive across",
+        description="Several runs' adaptive.json (a prompt class each) compared as one set of points.",
+    )
+    p.add_argument("runs", type=Path, nargs="+", help="run directories (each a --out)")
+    p.add_argument("--out", type=Path, help="where to write across.json and across.md")
+    args = p.parse_args(argv)
+    reports = {}
+    for run in args.runs:
+        path = run / "adaptive.json"
+        if not path.is_file():
+            p.error(f"no {path}")
+        reports[run.name] = json.loads(path.read_text())
+    report = across(reports)
+    table = across_markdown(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "across.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "across.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["across"]:
+        return across_main(argv[1:])
     args = parser().parse_args(argv)
     config = BenchConfig.from_args(args, pipelines=args.depths)
     if args.repeats < 1:
@@ -316,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(
         run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True), repeats=args.repeats)
     )
-    flags = argv if argv is not None else sys.argv[1:]
-    report["command"] = " ".join(["python -m tools.bench.adaptive", *flags])
+    report["command"] = " ".join(["python -m tools.bench.adaptive", *argv])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adaptive.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)

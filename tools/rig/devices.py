@@ -18,8 +18,9 @@ def verifier(
     threads: int = 1,
 ) -> ServerProcess:
     """Pins this process to `edge_cpus` (before llama.cpp starts its threads, which inherit it) and
-    starts `serve` with `flags` on `verifier_cpus` (`threads` torch threads when no cores are named)."""
+    starts `serve` with `flags` on `verifier_cpus` (`threads` torch threads when no cores are named).
+    The wait is long: a 1.5B target read from disk and set up on one core took 150 s on the rig."""
     if edge_cpus:
         os.sched_setaffinity(0, edge_cpus)
     threads = len(verifier_cpus) or threads
-    return ServerProcess(target_dir, "--threads", str(threads), *flags, cpus=verifier_cpus)
+    return ServerProcess(target_dir, "--threads", str(threads), *flags, cpus=verifier_cpus, timeout=600)
