@@ -19,7 +19,8 @@ Each arm starts its own `serve` pinned to the verifier's core. A bystander (on t
 rounds of 5 draft tokens with a 20 ms pause between them (its draft), first alone, then while `--floods`
 sessions open with prompts of `--prompt-tokens` random ids one after another. Prints the bystander's
 round time alone (median, p95) and under the floods (median, p95, max), their ratios to the median alone,
-and the p95's to the p95 alone (the rig's own jitter is in both). The
+and the p95's to the p95 alone (the rig's own jitter is in both), and the forward's time within the
+rounds (median, p95; alone and crowded). The
 bystander opens a new session every `--renew` rounds, so that its context, and so its own round's cost,
 stays the same alone and crowded.
 """
@@ -55,13 +56,15 @@ async def bystander_rounds(
     tokens: list[int] | None = None,
     renew: int = 50,
     opens: list[tuple[int, float]] | None = None,
+    verify: list[float] | None = None,
 ) -> None:
     """Plays rounds until `stop`, appending each round's time (request to verdict) to `out`, and the
     tokens it committed to `tokens`. Every `renew` rounds it opens a new session with the same 32-token
     prompt, so that its own rounds cost the same all along (a round's attention grows with its context:
     over a long flood the same session would reach thousands of positions, and its rounds alone would
     slow by as much as the flood does); each open's time (request to SessionOpened) goes to `opens`,
-    with the number of rounds played before it."""
+    with the number of rounds played before it; each verdict's forward time (the batch it rode in) to
+    `verify`."""
     prompt = [random.Random(1).randrange(100, 40000) for _ in range(32)]
     stop_at = pb.StopConditions(max_new_tokens=8000, ignore_eos=True)
     while not stop.is_set():
@@ -78,8 +81,11 @@ async def bystander_rounds(
                 round=round_, start_position=length, draft_token_ids=[100, 101, 102, 103, 104]
             )
             await call.write(pb.EdgeMessage(proposal=proposal))
-            before, length = length, (await call.read()).verdict.committed_length
+            verdict = (await call.read()).verdict
             out.append(time.perf_counter() - start)
+            before, length = length, verdict.committed_length
+            if verify is not None:
+                verify.append(verdict.verify_seconds)
             if tokens is not None:
                 tokens.append(length - before)
             await asyncio.sleep(pause_s)
@@ -143,8 +149,10 @@ async def arm(address: str, args) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         await flood(stub, 64, 99)  # warm-up
-        stop, alone, tokens, opens = asyncio.Event(), [], [], []
-        bystander = bystander_rounds(stub, stop, args.pause_ms / 1000, alone, tokens, args.renew, opens)
+        stop, alone, tokens, opens, verify = asyncio.Event(), [], [], [], []
+        bystander = bystander_rounds(
+            stub, stop, args.pause_ms / 1000, alone, tokens, args.renew, opens, verify
+        )
         task = asyncio.create_task(bystander)
         await asyncio.sleep(args.alone_s)
         crowded: list[float] = []
@@ -165,10 +173,10 @@ async def arm(address: str, args) -> dict:
         prefill_s = time.perf_counter() - start
         after = await stub.GetStats(pb.StatsRequest())
         bystander_tokens = sum(tokens[mark:])
-        crowded = alone[mark:]
+        crowded, verify_crowded = alone[mark:], verify[mark : len(alone)]
         stop.set()
         await task
-        alone = alone[2:mark]
+        alone, verify_alone = alone[2:mark], verify[2:mark]
     opens_alone = [seconds for rounds, seconds in opens[1:] if rounds <= mark]
     opens_crowded = [seconds for rounds, seconds in opens if rounds > mark]
     base = statistics.median(alone)
@@ -184,6 +192,10 @@ async def arm(address: str, args) -> dict:
         "p95_over_alone": round(tail / base, 2),
         # The tail against the tail: the rig's own jitter (the I/O and the engine share a core) is in both.
         "p95_over_alone_p95": round(tail / tail_alone, 2),
+        # The forward's share of a round (Verdict.verify_seconds; the rest is the wire, the loop, and
+        # waiting for a batch under way): where the jitter alone comes from.
+        "alone_verify_ms": _median_p95_ms(verify_alone),
+        "crowded_verify_ms": _median_p95_ms(verify_crowded),
         "rounds_crowded": len(crowded),
         "open_alone_ms": round(1000 * statistics.median(opens_alone), 1) if opens_alone else None,
         "opens_crowded": len(opens_crowded),
@@ -197,6 +209,11 @@ async def arm(address: str, args) -> dict:
             else {"refused": dict(refused), "opens_per_s": round(refused.total() / prefill_s)}
         ),
     }
+
+
+def _median_p95_ms(seconds: list[float]) -> list[float]:
+    ordered = sorted(seconds)
+    return [round(1000 * statistics.median(ordered), 1), round(1000 * percentile(ordered, 0.95), 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
