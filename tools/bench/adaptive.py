@@ -208,10 +208,7 @@ def across(reports: dict[str, dict]) -> dict:
     the run's passes."""
     points, medians = [], []
     for name, report in reports.items():
-        here: dict[tuple[float, str], dict] = {}
-        for r in report["rows"]:
-            key = ADAPTIVE if r["pipeline"] == -1 else (r["gamma"], r["pipeline"])
-            here.setdefault((r["rtt_ms"], r["mode"]), {}).setdefault(key, []).append(r["tokens_per_s"])
+        here = _by_point(report["rows"], lambda r: r["tokens_per_s"])
         for p in report["points"]:
             points.append({"class": name, **{k: p[k] for k in ("rtt_ms", "mode", "of_best", "within")}})
             medians.append({k: statistics.median(v) for k, v in here[(p["rtt_ms"], p["mode"])].items()})
@@ -341,15 +338,20 @@ def ratio_table(rows: list[dict], key: str, title: str) -> list[str]:
     settings = sorted({(r["gamma"], r["pipeline"]) for r in rows if r["pipeline"] >= 0})
     head = ["RTT ms", "mode", "adaptive", *(f"{g},{d}" for g, d in settings)]
     lines = [f"{title} (γ,depth columns).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for rtt, mode in dict.fromkeys((r["rtt_ms"], r["mode"]) for r in rows):
-        here: dict = {}  # a setting's ratios, one a pass
-        for r in rows:
-            if r["rtt_ms"] == rtt and r["mode"] == mode:
-                k = (r["gamma"], r["pipeline"]) if r["pipeline"] >= 0 else "a"
-                here.setdefault(k, []).append(r["tokens_per_s"] / r[key])
-        cells = [f"{statistics.median(here[k]):.2f}" if k in here else "" for k in ["a", *settings]]
+    for (rtt, mode), here in _by_point(rows, lambda r: r["tokens_per_s"] / r[key]).items():
+        cells = [f"{statistics.median(here[k]):.2f}" if k in here else "" for k in [ADAPTIVE, *settings]]
         lines.append(f"| {rtt:g} | {mode} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _by_point(rows: list[dict], value) -> dict[tuple[float, str], dict]:
+    """A report's rows grouped by point ((RTT, mode), in the rows' order) and setting: `value` of each
+    row, one a pass."""
+    grouped: dict[tuple[float, str], dict] = {}
+    for r in rows:
+        setting = ADAPTIVE if r["pipeline"] == -1 else (r["gamma"], r["pipeline"])
+        grouped.setdefault((r["rtt_ms"], r["mode"]), {}).setdefault(setting, []).append(value(r))
+    return grouped
 
 
 def parser() -> argparse.ArgumentParser:
