@@ -194,6 +194,7 @@ def _costs(draft: CostLine, verify: CostLine, verify_measured: Mapping[int, floa
 
 
 PHASE_JITTER = 0.1
+PATH_LENGTH = 256  # changes of choice a Tuner's path keeps
 
 
 def _busy(draft_s: float, back_s: float, depth: int) -> float:
@@ -240,10 +241,14 @@ class Tuner:
     offs: int = 0  # times speculation turned off
     probes: int = 0  # probes begun while off
     reason: str = ""  # why the last change of state: speculation off, probing, on again
+    # (verified rounds seen, γ, depth) at the start and at each change of the choice since: the tuner's
+    # path, for a bench to read its learning cost from (the last PATH_LENGTH kept).
+    path: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c = self.config
         self.choice = (min(c.initial[0], c.max_gamma), min(c.initial[1], c.max_depth))
+        self.path = [(0, *self.choice)]
         size = c.max_gamma + 2  # positions 0..max_gamma (the last: the guessed bonus)
         self._acceptance = AcceptanceCounts(size, c.acceptance_smoothing, c.prior_acceptance, c.prior_weight)
         # In turn (depth 0) and side by side (the drafter drafting while a proposal is verified).
@@ -256,6 +261,7 @@ class Tuner:
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
         self._probing = False
         self._server = False  # off hands decoding to the verifier (choose's `server`)
+        self._in_turn_seen = False  # a forward of its own measured in turn (the verifier's figures aside)
 
     @property
     def state(self) -> str:
@@ -292,6 +298,17 @@ class Tuner:
         """While off: the tokens to hand to the verifier before the next probe (at least 1)."""
         return max(1, self._probe_after - self._plain_since)
 
+    def observe_server_costs(self, seconds: Mapping[int, float]) -> None:
+        """The verifier's recent forward time by positions (SessionOpened.forward_seconds): at each size
+        this tuner has not measured itself, in turn or side by side, one figure. A new tuner then starts
+        from the verifier's costs instead of the fixed share's guess of how a forward grows with its
+        positions (which, on a pair whose forward hardly grows, sent γ down and back up over its first
+        rounds: docs/benchmarks.md), and its own figures soon outweigh them."""
+        for positions, s in seconds.items():
+            for line in (self.verify, self.verify_ahead):
+                if s > 0 and positions not in line.counts:
+                    line.observe(positions, s)
+
     def observe_guess(self, draft_tokens: int, right: bool) -> None:
         """A proposal of `draft_tokens` all accepted, and its pipelined successor's guess of the bonus
         token `right` or not: draft position `draft_tokens` judged (the guess is the draft's token there),
@@ -308,6 +325,7 @@ class Tuner:
         `ahead`: the drafter drafted while it was in flight (pipelined)."""
         if seconds > 0:
             (self.verify_ahead if ahead else self.verify).observe(draft_tokens + 1, seconds)
+            self._in_turn_seen |= not ahead
 
     def step_s(self) -> float:
         """V(1), the target's one-step time as measured (0 before any forward)."""
@@ -368,6 +386,15 @@ class Tuner:
         older one does not); `server`: whether speculation off can hand decoding to the verifier.
         Moves the current choice only as the hysteresis allows; with γ tuned (and the config's
         `plain`), turns speculation off and probes it as the module's docstring says."""
+        chosen = self._choose(gamma, depth, max_gamma, plain, server)
+        if chosen != self.path[-1][1:]:
+            self.path.append((self.rounds, *chosen))
+            del self.path[:-PATH_LENGTH]
+        return chosen
+
+    def _choose(
+        self, gamma: int | None, depth: int | None, max_gamma: int, plain: bool, server: bool
+    ) -> tuple[int, int]:
         c = self.config
         top = min(c.max_gamma, max_gamma) if max_gamma else c.max_gamma
         plain = c.plain and plain and not gamma
@@ -398,7 +425,7 @@ class Tuner:
             )
             target = best_setting(est, step, depths, current)
             staying = tokens_per_second(est, *current)
-            if not self.verify.seen and current[1] > 0 and depths[0] == 0:  # depth 0 never measured
+            if not self._in_turn_seen and current[1] > 0 and depths[0] == 0:  # depth 0 never measured
                 in_turn = best_setting(est, step, range(0, 1))
                 if tokens_per_second(est, *in_turn) >= (1 - c.explore_margin) * staying:
                     target, staying = in_turn, 0.0

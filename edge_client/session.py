@@ -259,7 +259,7 @@ class EdgeSession:
         appends to `legs`): the edge's round loop."""
         plan = Planner(request, await self.model_info(), generated, stats, self.tuner, self.hand_off)
         call = self.stub.Session()
-        inbox = _Inbox(call, stats)
+        inbox = _Inbox(call, stats, self.tuner)
         try:
             await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated, stats)), stats)
             while not plan.finished:
@@ -323,7 +323,7 @@ class EdgeSession:
         count as the verifier's, not as drafts: the edge's acceptance figures stay its draft's."""
         await self.model_info()
         call = self.stub.Session()
-        inbox = _Inbox(call, stats)
+        inbox = _Inbox(call, stats, self.tuner)
         try:
             await self._write(call, pb.EdgeMessage(open=self._open_message(request, generated, stats)), stats)
             finish, read = None, None
@@ -475,8 +475,9 @@ class _Inbox:
     """The verdicts of a stream as they arrive, read by a task of its own; then the stream's end or
     failure, as a VerifierError."""
 
-    def __init__(self, call, stats: GenerationStats):
+    def __init__(self, call, stats: GenerationStats, tuner: Tuner):
         self.opened = False  # the verifier answered the open message
+        self.tuner = tuner  # told the verifier's forward costs the open carries
         self.read_ahead = 0  # a thin session: tokens the verifier decodes past the last Read (0: no Reads)
         self.arrived: dict[int, float] = {}  # round -> when its verdict arrived (perf_counter)
         self.stats = stats
@@ -524,6 +525,7 @@ class _Inbox:
                     self.read_ahead = message.opened.read_ahead
                     self.stats.reused_positions = message.opened.reused_positions
                     self.stats.numerics = self.stats.numerics or message.opened.numerics
+                    self.tuner.observe_server_costs(message.opened.forward_seconds)
         except grpc.aio.AioRpcError as e:
             self._queue.put_nowait(VerifierError(e.code(), e.details() or ""))
         except VerifierError as e:

@@ -20,6 +20,7 @@ import torch
 
 from draftwire.aio import within
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, Numerics, TargetInfo, bucket
+from draftwire.speculation import CostLine
 from verifier_service.engine import Forward, PrefixCacheConfig
 from verifier_service.gamma_cap import GammaCap
 
@@ -55,6 +56,9 @@ class ServedEngine(Engine, Protocol):
 ACTIVE_S = 1.0  # a session that sent a round this recently is playing rounds (Batcher.prefill_room)
 
 
+CALIBRATION_KEY = "#calibrate"  # the session Batcher.calibrate times its forwards on ('#': no client's)
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     max_batch: int = 32  # most sessions in one forward pass
@@ -78,6 +82,9 @@ class BatchConfig:
     # max_prefill_positions at long context (seconds on a CPU). Sized like the share above, up to
     # max_prefill_positions. 0: positions only.
     max_prefill_s: float = 0.5
+    # A verifier times a forward of every size a round can have as it starts (Batcher.calibrate), so that
+    # its first sessions' edges learn its costs from the open (SessionOpened.forward_seconds).
+    calibrate: bool = True
 
 
 @dataclass
@@ -89,6 +96,9 @@ class BatchStats:
     seconds_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SECONDS_BUCKETS) + 1))
     size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
     last: dict[str, tuple[float, int]] = field(default_factory=dict)  # key -> its last batch's (s, size)
+    # A round's forward time by its positions, as its edge measures it (Verdict.verify_seconds), smoothed
+    # over every session's rounds: what SessionOpened.forward_seconds tells new edges.
+    round_costs: CostLine = field(default_factory=lambda: CostLine(smoothing=0.1, fixed_share=0.5))
 
     def record(self, keys: list[str], seconds: float) -> None:
         self.batches += 1
@@ -330,6 +340,24 @@ class Batcher:
         if room is not None and c.max_prefill_s:
             room = min(room, max(c.min_prefill_positions, int(self._idle_chunk)))
         return room, False
+
+    def calibrate(self, positions: int, prompt: int = 16) -> None:
+        """Times a round's forward of every size from 1 to `positions` after a short prompt, on a session
+        of its own, into `stats.round_costs`: twice, keeping the second pass (the first warms the
+        kernels up for each shape). Call it before serving and before the engine keeps finished
+        caches. Costs a prompt's prefill and 2 · positions forwards."""
+        key, size = CALIBRATION_KEY, self.info.vocabulary.size
+        ids = tuple(i % size for i in range(prompt + positions))
+        try:
+            self.engine.forward_many([Forward(key, 0, ids[:prompt], wants_logits=False)])
+            for timed in (False, True):
+                for n in range(1, positions + 1):
+                    start = time.perf_counter()
+                    self.engine.forward_many([Forward(key, prompt, ids[prompt : prompt + n])])
+                    if timed:
+                        self.stats.round_costs.observe(n, time.perf_counter() - start)
+        finally:
+            self.engine.release(key)
 
     def _run_batch(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
         results = []

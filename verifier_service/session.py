@@ -347,6 +347,8 @@ class VerifierSession:
             if self.batcher.gamma_cap is not None and not self.spec.thin:
                 self.batcher.gamma_cap.observe_round(len(begun.draft), accepted, cut=self.finish is not None)
         verify_seconds, batch_size = self.batcher.stats.last.get(self.key, (0.0, 0))
+        if verify_seconds and positions == len(begun.draft) + 1:  # a round's forward, no prefill in it
+            self.batcher.stats.round_costs.observe(positions, verify_seconds)
         verdict = self._verdict(begun.proposal, accepted, target_token, verify=(verify_seconds, batch_size))
         if logprobs:
             verdict = dataclasses.replace(verdict, logprobs=logprobs)

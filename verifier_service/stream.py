@@ -74,6 +74,7 @@ class Opened:
     reused_positions: int
     numerics: str
     read_ahead: int  # a thin session's: tokens played past the edge's last Read (0 for an edge session)
+    forward_seconds: dict[int, float]  # a round's forward time by its positions (BatchStats.round_costs)
 
 
 class Flooded(Ended):
@@ -122,6 +123,8 @@ class Verifier:
         self.engine, self.config = engine, config
         self.stats = VerifierStats()
         self.batcher = Batcher(engine, config.batch, GammaCap(config.limits.max_gamma, config.gamma_cap))
+        if config.batch.calibrate:  # before the engine keeps finished caches: it keeps none of this
+            self.batcher.calibrate(config.limits.max_gamma + 1)
         self.admission = Admission(sized(config.admission))
         # Kept caches live inside the KV budget too: they give way to the sessions' reservations.
         room = (lambda: self.admission.kv_room) if self.admission.config.kv_budget_bytes else None
@@ -205,6 +208,7 @@ class Verifier:
             reused_positions=session.reused_positions,
             numerics=self.engine.numerics.identity,
             read_ahead=session.limits.read_ahead if session.spec.thin else 0,
+            forward_seconds=dict(self.batcher.stats.round_costs.means),
         )
 
     async def _answer(self, session: VerifierSession, message: Incoming, stale: StaleLimit, sent) -> None:

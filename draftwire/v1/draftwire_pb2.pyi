@@ -169,18 +169,27 @@ class Read(_message.Message):
     def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "committed_length", "reused_positions", "numerics", "read_ahead")
+    __slots__ = ("session_id", "committed_length", "reused_positions", "numerics", "read_ahead", "forward_seconds")
+    class ForwardSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REUSED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_length: int
     reused_positions: int
     numerics: str
     read_ahead: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ..., read_ahead: _Optional[int] = ...) -> None: ...
+    forward_seconds: _containers.ScalarMap[int, float]
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ..., read_ahead: _Optional[int] = ..., forward_seconds: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap", "logprobs")

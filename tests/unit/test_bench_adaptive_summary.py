@@ -9,6 +9,7 @@ import pytest
 
 from tools.bench.adaptive import across, across_markdown, markdown, summarize
 from tools.bench.arms import BenchConfig, Row
+from tools.bench.speed import path_rounds
 
 OUT = [[1, 2, 3]]
 
@@ -65,7 +66,9 @@ def test_medians_over_passes_pick_the_best_and_compare_pass_by_pass():
 
 def test_one_pass_keeps_the_plain_table():
     config = BenchConfig(Path("t"), Path("d"), None, ((1, 2),), rtts_ms=(0,))
-    rows = [row((2, 0), 4.0, 0), row((0, -1), 3.9, 0, "draftwire, adaptive (ended at γ 2, depth 0; 1 moves)")]
+    adaptive = row((0, -1), 3.9, 0, "draftwire, adaptive (ended at γ 2, depth 0; 1 moves)")
+    adaptive.tuner_path = path_rounds([(0, 4, 2), (7, 2, 0)], 40)
+    rows = [row((2, 0), 4.0, 0), adaptive]
     report = summarize(
         config, {"greedy": Row("a", "alone", "greedy", tokens=200, wall_s=100.0, outputs=OUT)}, rows
     )
@@ -74,6 +77,8 @@ def test_one_pass_keeps_the_plain_table():
     assert "exact" in report and "greedy/rtt0/adaptive" in report["exact"]
     table = markdown(report)
     assert "pass by pass" not in table and "| 0 | greedy | 3.90 | ended at γ 2, depth 0; 1 moves |" in table
+    assert point["adaptive_paths"] == [[[4, 2, 7], [2, 0, 33]]]
+    assert "| 0 | greedy | (4, 2)×7 → (2, 0)×33 |" in table
 
 
 def test_across_classes_the_one_default_against_each_fixed_setting_measured_everywhere():

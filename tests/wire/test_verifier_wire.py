@@ -31,6 +31,7 @@ from tests.bad_input_cases import (
 from tools.testkit.fakes import FakeEngine, fake_info, successor
 from tools.testkit.inprocess import InProcessServer
 from verifier_service.admission import AdmissionConfig
+from verifier_service.batcher import CALIBRATION_KEY
 from verifier_service.lifecycle import LifetimeConfig
 from verifier_service.servicer import ServerConfig, VerifierLimits
 
@@ -127,6 +128,26 @@ def test_committed_tokens_survive_a_refused_proposal_and_the_session_resumes(ser
     assert v.accepted == len(rest) - 1 and v.finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_an_open_tells_the_verifiers_forward_time_by_positions():
+    """Timed at start-up for every size a round can have, then moved by the rounds its sessions play:
+    what a new edge's tuner starts from (edge_client.adaptive.Tuner.observe_server_costs)."""
+    fake = engine()
+    fake.slow_s, fake.slow_per_position_s = 0.002, 0.003
+    with InProcessServer(fake, config()) as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            info = pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+        first, _ = asyncio.run(exchange(srv.address, [open_msg(info, max_new=4)]))
+        fake.slow_s = 0.05  # the machine got busier
+        draft = continuation(PROMPT, 2)  # a round of 3 positions
+        _, error = asyncio.run(exchange(srv.address, [open_msg(info, max_new=8), proposal(1, START, draft)]))
+        later, _ = asyncio.run(exchange(srv.address, [open_msg(info, max_new=4)]))
+    assert error is None
+    start, moved = dict(first[0].opened.forward_seconds), dict(later[0].opened.forward_seconds)
+    assert sorted(start) == list(range(1, info.max_gamma + 2))
+    assert start[9] - start[1] > 0.015  # 8 positions more at 3 ms each
+    assert moved[3] > start[3] + 0.02 and moved[5] == start[5]
+
+
 def test_a_proposal_of_no_draft_token_is_a_plain_step(server, info):
     """Speculation off (edge_client.adaptive): a drafting edge's proposals of no draft token each commit
     the target's next token, and GetStats counts them as plain steps."""
@@ -188,7 +209,7 @@ def test_a_session_past_the_kv_budget_is_refused_before_any_work():
 
     with InProcessServer(fake, config(admission=admission)) as srv:
         big, small = asyncio.run(run(srv.address))
-        prefills = [f for batch in fake.batches for f in batch]
+        prefills = [f for batch in fake.batches for f in batch if f.key != CALIBRATION_KEY]
     assert big.code() == EXHAUSTED and "KV cache" in big.details() and retry_hint(big) > 0
     assert not isinstance(small, grpc.aio.AioRpcError)
     assert len(prefills) == 1  # the small session's prefill only
@@ -209,7 +230,7 @@ def test_an_idle_session_ends_with_deadline_exceeded_and_frees_its_cache():
         error, waited = asyncio.run(run(srv.address))
         time.sleep(0.1)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "freed" in error.details()
-    assert 0.25 <= waited < 3 and len(fake.released) == 1 and not fake.held
+    assert 0.25 <= waited < 3 and len(fake.released) == 2 and not fake.held  # the calibration's, then its
 
 
 def test_a_stale_flood_ends_the_session():

@@ -147,6 +147,7 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
                     "adaptive_tokens_per_s": median[ADAPTIVE],
                     "adaptive_label": adaptive[0].label,
                     "adaptive_ended": [r.label.split("adaptive ")[-1].strip("()") for r in adaptive],
+                    "adaptive_paths": [r.tuner_path for r in adaptive],
                     "adaptive_acceptance": statistics.median(r.acceptance or 0.0 for r in adaptive),
                     "adaptive_of_bound": statistics.median(r.share_of_bound or 0.0 for r in adaptive),
                     "best_fixed": list(best),
@@ -276,6 +277,20 @@ def _ended(ends: list[str]) -> str:
     return ", ".join(f"({m[1]}, {m[2]})" if m else e for m, e in zip(settings, ends, strict=True))
 
 
+def _paths(points: list[dict]) -> list[str]:
+    """The adaptive row's path at each point, pass by pass: (γ, depth)×rounds played there, in order."""
+    rows = [p for p in points if any(p.get("adaptive_paths") or ())]
+    if not rows:
+        return []
+    lines = ["The adaptive row's path: (γ, depth)×verified rounds at it, in order, a line per pass.", ""]
+    lines += ["| RTT ms | mode | path |", "|---|---|---|"]
+    for p in rows:
+        for path in p["adaptive_paths"]:
+            steps = " → ".join(f"({g}, {d})×{n}" for g, d, n in path or ())
+            lines.append(f"| {p['rtt_ms']:g} | {p['mode']} | {steps} |")
+    return lines
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -310,6 +325,7 @@ def markdown(report: dict) -> str:
         cells += ["yes" if p["within"] else "no", f"{p['rank']} of {p['fixed_settings'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_set_table(report["overall"]), "", *_verdict(report["overall"])]
+    lines += ["", *_paths(report["points"])]
     lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
     lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
     reused = [r.get("reused_positions", 0) for r in report["rows"]]

@@ -133,6 +133,9 @@ class Row:
     # The tuner's view at the row's end (speed.tuner_view): acceptance by position, and the seconds it
     # holds for each size it drafted and verified, with their counts, beside the lines it fits.
     tuner: dict | None = None
+    # The adaptive row's settings in the order its tuner took them, each [γ, depth, verified rounds played
+    # at it] (Tuner.path): where its learning went.
+    tuner_path: list[list[int]] | None = None
     speedup: float | None = None  # tokens/s over arm (a) in the same mode
     bound_tokens_per_s: float | None = None  # zero_overhead_bound
     share_of_bound: float | None = None  # tokens/s over the bound

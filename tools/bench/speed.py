@@ -147,6 +147,7 @@ class RowRun:
         if gamma is None or self.pipeline is None:
             setting = tuner.choice
             row.label += f", adaptive (ended at γ {setting[0]}, depth {setting[1]}; {tuner.moves} moves)"
+            row.tuner_path = path_rounds(tuner.path, tuner.rounds)
         # The tuner learns from fixed rows too: its model's figure beside the measured one tests the model.
         row.model_tokens_per_s = tokens_per_second(tuner.estimates(), *setting)
         rounds = sum(s.rounds for s in all_stats)
@@ -173,6 +174,12 @@ class RowRun:
         row.tuner = tuner_view(tuner)
         row.reused_positions = sum(s.reused_positions for s in all_stats)
         return row
+
+
+def path_rounds(path: list[tuple[int, int, int]], rounds: int) -> list[list[int]]:
+    """A tuner's path ((round, γ, depth) at each change) as [γ, depth, rounds played at it] in order."""
+    ends = [r for r, _, _ in path[1:]] + [rounds]
+    return [[g, d, end - start] for (start, g, d), end in zip(path, ends, strict=True)]
 
 
 def tuner_view(tuner) -> dict:
