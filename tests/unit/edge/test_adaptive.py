@@ -454,7 +454,8 @@ def test_the_tuners_path_is_its_start_and_every_change_with_its_round():
     timeline.tokens_per_second(timeline_costs("smollm2", 31.5), 0.6, None, None, 600, tuner=tuner)
     path = tuner.path
     assert path[0] == (0, *TunerConfig().initial) and len(path) == tuner.moves + 1 > 2
-    assert all(a[0] <= b[0] and a[1:] != b[1:] for a, b in zip(path, path[1:])) and path[-1][1:] == tuner.choice
+    assert all(a[0] <= b[0] and a[1:] != b[1:] for a, b in zip(path, path[1:], strict=False))
+    assert path[-1][1:] == tuner.choice
 
 
 def test_the_verifiers_costs_fill_only_the_sizes_the_tuner_has_not_measured():
