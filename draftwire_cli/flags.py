@@ -224,26 +224,7 @@ def add_limits(p: argparse.ArgumentParser) -> None:
         default=0.5,
         help="of the KV budget, the most one client (a token, a certificate or a connection) reserves",
     )
-    g.add_argument(
-        "--max-prefill-positions",
-        type=positive,
-        default=256,
-        help="prefill positions per engine batch; longer prefills run in chunks beside other rounds",
-    )
-    g.add_argument(
-        "--prefill-share",
-        type=bounded(float, 0, what="0 (off) or more"),
-        default=0.5,
-        help="while other sessions are open, a batch's prefill takes at most this share of a round's "
-        "time (measured), so rounds are not stuck behind long prompts",
-    )
-    g.add_argument(
-        "--max-prefill-s",
-        type=bounded(float, 0, what="0 (off) or more"),
-        default=0.5,
-        help="while no session plays rounds, a batch of prefill takes about this long at most (measured), "
-        "so a session that opens beside a long prompt waits about that long for its turn",
-    )
+    _add_prefill_limits(g)
     _add_thin_limits(g)
     g.add_argument(
         "--max-stale-in-a-row", type=count, default=64, help="stale proposals in a row that end a session"
@@ -262,6 +243,38 @@ def add_limits(p: argparse.ArgumentParser) -> None:
         type=seconds,
         default=30.0,
         help="on SIGTERM, running sessions may finish this long",
+    )
+
+
+def _add_prefill_limits(g) -> None:
+    """Prefill bounded beside other sessions' rounds (verifier_service.batcher.BatchConfig)."""
+    g.add_argument(
+        "--max-prefill-positions",
+        type=positive,
+        default=256,
+        help="prefill positions per engine batch; longer prefills run in chunks beside other rounds",
+    )
+    g.add_argument(
+        "--prefill-share",
+        type=bounded(float, 0, what="0 (off) or more"),
+        default=0.5,
+        help="while other sessions are open, a batch's prefill takes at most this share of a round's "
+        "time (measured), so rounds are not stuck behind long prompts",
+    )
+    g.add_argument(
+        "--min-prefill-positions",
+        type=bounded(float, 0, low_open=True, what="over 0"),
+        default=0.125,
+        help="while other sessions play rounds, the least prefill a batch of rounds carries on average, so "
+        "a long prompt always advances; under 1, a position dearer than the share rides with some "
+        "batches only (0.125: one in 8)",
+    )
+    g.add_argument(
+        "--max-prefill-s",
+        type=bounded(float, 0, what="0 (off) or more"),
+        default=0.5,
+        help="while no session plays rounds, a batch of prefill takes about this long at most (measured), "
+        "so a session that opens beside a long prompt waits about that long for its turn",
     )
 
 

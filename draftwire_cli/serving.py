@@ -43,6 +43,7 @@ def serve(args) -> int:
             window_s=args.batch_window_ms / 1000,
             max_prefill_positions=args.max_prefill_positions,
             prefill_share=args.prefill_share,
+            min_prefill_positions=args.min_prefill_positions,
             max_prefill_s=args.max_prefill_s,
         ),
         metrics_port=args.metrics_port,

@@ -213,6 +213,17 @@ def _busy(draft_s: float, back_s: float, depth: int) -> float:
     return total / points
 
 
+def _with_server(table: dict[int, float], weights: Mapping[int, float], server: Mapping[int, float]) -> dict:
+    """`table` (V by positions, as measured, each size's figures in `weights`) completed at the sizes it
+    lacks from the verifier's `server` figures, scaled by the two's ratio at the sizes both have (1 where
+    none)."""
+    common = [n for n in table if n in server]
+    ratio = 1.0
+    if common:
+        ratio = sum(weights[n] * table[n] for n in common) / sum(weights[n] * server[n] for n in common)
+    return {**{n: s * ratio for n, s in server.items()}, **table}
+
+
 def best_setting(
     est: Estimates, gammas: range, depths: range, current: tuple[int, int] | None = None
 ) -> tuple[int, int]:
@@ -261,7 +272,8 @@ class Tuner:
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
         self._probing = False
         self._server = False  # off hands decoding to the verifier (choose's `server`)
-        self._in_turn_seen = False  # a forward of its own measured in turn (the verifier's figures aside)
+        self._server_costs: dict[int, float] = {}  # the verifier's V(n), by positions (observe_server_costs)
+        self._trial: tuple[int, int] | None = None  # the setting left to try depth 0, while trying it
 
     @property
     def state(self) -> str:
@@ -299,15 +311,12 @@ class Tuner:
         return max(1, self._probe_after - self._plain_since)
 
     def observe_server_costs(self, seconds: Mapping[int, float]) -> None:
-        """The verifier's recent forward time by positions (SessionOpened.forward_seconds): at each size
-        this tuner has not measured itself, in turn or side by side, one figure. A new tuner then starts
-        from the verifier's costs instead of the fixed share's guess of how a forward grows with its
-        positions (which, on a pair whose forward hardly grows, sent γ down and back up over its first
-        rounds: docs/benchmarks.md), and its own figures soon outweigh them."""
-        for positions, s in seconds.items():
-            for line in (self.verify, self.verify_ahead):
-                if s > 0 and positions not in line.counts:
-                    line.observe(positions, s)
+        """The verifier's recent forward time by positions (SessionOpened.forward_seconds), the latest
+        figures replacing older ones. They give the shape of V(n) at the sizes this tuner has not
+        measured, scaled to its own level (`estimates`), instead of the fixed share's guess of how a
+        forward grows with its positions: on a pair whose forward hardly grows, that guess sent γ down
+        and back up over a new tuner's first rounds (docs/benchmarks.md)."""
+        self._server_costs.update({n: s for n, s in seconds.items() if n > 0 and s > 0})
 
     def observe_guess(self, draft_tokens: int, right: bool) -> None:
         """A proposal of `draft_tokens` all accepted, and its pipelined successor's guess of the bonus
@@ -325,7 +334,6 @@ class Tuner:
         `ahead`: the drafter drafted while it was in flight (pipelined)."""
         if seconds > 0:
             (self.verify_ahead if ahead else self.verify).observe(draft_tokens + 1, seconds)
-            self._in_turn_seen |= not ahead
 
     def step_s(self) -> float:
         """V(1), the target's one-step time as measured (0 before any forward)."""
@@ -349,7 +357,10 @@ class Tuner:
     def estimates(self) -> Estimates:
         """The model's inputs. A way of running not yet measured borrows the other's costs, and a size
         verified one way but not the other borrows that figure, scaled by the two ways' ratio at the sizes
-        both measured (Tuner.choose tries depth 0 once where it might pay, so that both are measured)."""
+        both measured (Tuner.choose tries depth 0 once where it might pay, so that both are measured). A
+        size verified neither way takes the verifier's figure (observe_server_costs), scaled likewise by
+        the ratio of this tuner's figures to the verifier's at the sizes both have: the verifier gives
+        the shape, this edge's own measures the level (its rounds may run beside its drafter)."""
         draft = self.draft if self.draft.seen else self.draft_ahead
         draft_ahead = self.draft_ahead if self.draft_ahead.seen else draft
         verify = self.verify if self.verify.seen else self.verify_ahead
@@ -362,10 +373,14 @@ class Tuner:
         if weights:
             ratio = sum(w * beside[n] for n, w in weights.items())
             ratio /= sum(w * in_turn[n] for n, w in weights.items())
+        turn_weights = {**beside_figures, **turn_figures}
+        beside_weights = {**turn_figures, **beside_figures}
         in_turn, beside = (
             {**{n: s / ratio for n, s in beside.items()}, **in_turn},
             {**{n: s * ratio for n, s in in_turn.items()}, **beside},
         )
+        in_turn = _with_server(in_turn, turn_weights, self._server_costs)
+        beside = _with_server(beside, beside_weights, self._server_costs)
         return Estimates(
             **vars(_costs(draft, verify, in_turn)),
             acceptance=self.acceptance(),
@@ -425,10 +440,16 @@ class Tuner:
             )
             target = best_setting(est, step, depths, current)
             staying = tokens_per_second(est, *current)
-            if not self._in_turn_seen and current[1] > 0 and depths[0] == 0:  # depth 0 never measured
+            trial, self._trial = self._trial, None
+            if trial is not None and staying <= (1 + c.margin) * tokens_per_second(est, *trial):
+                # Depth 0 was a trial: it stays only where it proved itself by the margin, else the best
+                # other setting takes over with no margin to beat.
+                others = [(g, d) for g in step for d in depths if (g, d) != current]
+                target, staying = max(others, key=lambda s: tokens_per_second(est, *s)), 0.0
+            elif not self.verify.seen and current[1] > 0 and depths[0] == 0:  # depth 0 never measured
                 in_turn = best_setting(est, step, range(0, 1))
                 if tokens_per_second(est, *in_turn) >= (1 - c.explore_margin) * staying:
-                    target, staying = in_turn, 0.0
+                    target, staying, self._trial = in_turn, 0.0, current
             if target != current and tokens_per_second(est, *target) > (1 + c.margin) * staying:
                 current = target
                 self._last_move = self.rounds

@@ -72,11 +72,15 @@ class BatchConfig:
     # While other sessions play rounds, prefill rides with their rounds, and a batch with a prefill chunk
     # aims to take at most (1 + prefill_share) × the rounds' time alone: the chunk is what the share of
     # the rounds' time pays for at a prefill position's cost measured in the batch before (`_resize`;
-    # at least min_prefill_positions, so a prompt always advances). Measured afresh each batch, since a
-    # position's cost grows with its context (its attention): a rate learned early in a long prompt
-    # would overshoot late in it. 0: off.
+    # on average at least min_prefill_positions, so a prompt always advances). Measured afresh each
+    # batch, since a position's cost grows with its context (its attention): a rate learned early in a
+    # long prompt would overshoot late in it. 0: off.
     prefill_share: float = 0.5
-    min_prefill_positions: int = 1
+    # The least prefill a batch of rounds carries on average, so that a prompt always advances. Under 1,
+    # a position rides with some batches and not others: where one position costs more than the share of
+    # a round pays for (at 5,000 of context on a CPU, half a round to a whole one), the rounds pay the
+    # share on average, and most of them carry no prefill at all. 0.125: a position every 8 batches.
+    min_prefill_positions: float = 0.125
     # While no session plays rounds, a batch of prefill alone aims to take at most this long, so that a
     # session opening meanwhile waits about that long for its own prefill, not for a chunk of
     # max_prefill_positions at long context (seconds on a CPU). Sized like the share above, up to
@@ -127,7 +131,8 @@ class Batcher:
         self._last_end: float | None = None  # when the last batch ended (perf_counter)
         self._round_s: float | None = None  # a batch's rounds' time, smoothed (None: none measured yet)
         self._rounds_at: dict[str, float] = {}  # session -> when it last sent a round (event loop time)
-        self._chunk = float(config.min_prefill_positions)  # timed prefill positions a batch (prefill_room)
+        self._chunk = 1.0  # timed prefill positions a batch, on average (prefill_room)
+        self._credit = 0.0  # a chunk under 1: its parts gathered over batches that carried no prefill
         self._idle_chunk = float(config.max_prefill_positions)  # the same while no session plays rounds
         self._position_s: float | None = None  # a prefill position's cost beside rounds (_resize)
         self._idle_position_s: float | None = None  # the same in batches of prefill alone
@@ -272,6 +277,8 @@ class Batcher:
             # its own: a round arriving behind a prefill-only pass would wait for all of it (on a CPU a
             # pass of one position costs about what a round does: it reads every weight).
             return [], [(f, fut) for f, fut in pending if not fut.done()]
+        if timed:
+            self._carry(batch, left)
         return batch, left + later
 
     async def _gather(self) -> None:
@@ -335,11 +342,22 @@ class Batcher:
         horizon = asyncio.get_running_loop().time() - ACTIVE_S
         active = any(at > horizon for at in self._rounds_at.values())
         if c.prefill_share and active and self._round_s:
-            timed = max(c.min_prefill_positions, int(self._chunk))
+            timed = int(self._chunk + self._credit)
             return (timed if room is None else min(room, timed)), True
         if room is not None and c.max_prefill_s:
-            room = min(room, max(c.min_prefill_positions, int(self._idle_chunk)))
+            room = min(room, max(1, int(self._idle_chunk)))
         return room, False
+
+    def _carry(self, batch: list, left: list) -> None:
+        """A chunk under one position: a batch of rounds that left prefill waiting gathers the chunk for
+        the next, and one that carried it starts again from nothing."""
+        rounds = any(f.wants_logits for f, _, _ in batch)
+        rode = any(not f.wants_logits for f, _, _ in batch)
+        waiting = any(not f.wants_logits for f, _ in left)
+        if self._chunk < 1 and rounds and waiting and not rode:
+            self._credit += self._chunk
+        else:
+            self._credit = 0.0
 
     def calibrate(self, positions: int, prompt: int = 16) -> None:
         """Times a round's forward of every size from 1 to `positions` after a short prompt, on a session

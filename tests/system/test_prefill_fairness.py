@@ -118,3 +118,65 @@ def test_a_bystanders_rounds_stay_within_a_bound_while_long_prompts_prefill():
     assert max(crowded[2:]) < 2.5 * alone, (alone, crowded)  # 2 rounds to learn
     alone_off, crowded_off = measure(0.0, 0.0)  # even without the attention cost
     assert max(crowded_off) > 10 * alone_off, (alone_off, crowded_off)  # positions alone bound no time
+
+
+class DearPrefill(FakeEngine):
+    """A round costs 16 ms, and each prefill position 30 ms more: a position at long context on a CPU,
+    dearer than the half round the share pays for."""
+
+    def forward_many(self, forwards):
+        prefill = sum(len(f.token_ids) for f in forwards if not f.wants_logits)
+        time.sleep(0.016 * any(f.wants_logits for f in forwards) + 0.03 * prefill)
+        return super().forward_many(forwards)
+
+
+def test_a_position_dearer_than_the_share_rides_with_some_rounds_only():
+    """One position a round would make every round 2.9x slower (16 + 30 ms). The chunk falls under one
+    position (the share's 8 ms over 30: 0.27), so a position rides with about one round in four: the
+    rounds pay the share on average (1.5x), and most carry none, so the median round is its time alone.
+    Before, a chunk was at least one position, and every round paid a whole one."""
+
+    async def scenario(batcher):
+        batcher.join("bystander")
+        await batcher.forward(Forward("bystander", 0, (1, 2), wants_logits=False))
+        n, draft, alone = 2, (3, 4, 5, 6, 7), []
+        for _ in range(5):
+            start = time.perf_counter()
+            await batcher.forward(Forward("bystander", n, draft))
+            alone.append(time.perf_counter() - start)
+            n += 1
+        batcher.join("long")
+        prefill = asyncio.ensure_future(batcher.forward(Forward("long", 0, tuple(range(1, 501)), False)))
+        crowded = []
+        for _ in range(60):
+            await asyncio.sleep(0.002)  # the edge drafts
+            start = time.perf_counter()
+            await batcher.forward(Forward("bystander", n, draft))
+            crowded.append(time.perf_counter() - start)
+            n += 1
+        prefill.cancel()
+        return statistics.median(alone), crowded
+
+    engine = DearPrefill()
+
+    async def main():
+        batcher = Batcher(engine, BatchConfig(window_s=0, prefill_share=0.5))
+        try:
+            return await scenario(batcher)
+        finally:
+            batcher.close()
+
+    gc.collect()
+    gc.disable()
+    try:
+        alone, crowded = asyncio.run(main())
+    finally:
+        gc.enable()
+    rode = [  # prefill positions in each batch of rounds
+        sum(len(f.token_ids) for f in b if not f.wants_logits) for b in engine.batches if b[0].wants_logits
+    ]
+    later = crowded[10:]  # a few rounds to learn a position's cost
+    assert statistics.median(later) < 1.25 * alone, (alone, crowded)
+    assert statistics.fmean(later) < 1.8 * alone, (alone, crowded)  # the share's 1.5x, with slack
+    carried = sum(1 for p in rode[-len(later) :] if p)
+    assert 0.1 * len(later) <= carried <= 0.5 * len(later), rode  # the prompt advances, a round in 4

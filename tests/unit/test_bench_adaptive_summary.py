@@ -109,3 +109,6 @@ def test_across_classes_the_one_default_against_each_fixed_setting_measured_ever
     table = across_markdown(result)
     assert "2 points: haiku, chat" in table and "| chat | 0 | greedy | 0.76 | no |" in table
     assert "by sum yes (best fixed 4,2)" in table
+    disjoint = {"haiku": reports["haiku"], "code": report({(6, 0): 5.0, (0, -1): 4.8})}
+    with pytest.raises(ValueError, match="share no fixed"):
+        across(disjoint)

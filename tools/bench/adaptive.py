@@ -214,6 +214,8 @@ def across(reports: dict[str, dict]) -> dict:
             points.append({"class": name, **{k: p[k] for k in ("rtt_ms", "mode", "of_best", "within")}})
             medians.append({k: statistics.median(v) for k, v in here[(p["rtt_ms"], p["mode"])].items()})
     common = set.intersection(*(set(m) for m in medians)) - {ADAPTIVE}
+    if not common:
+        raise ValueError("the runs share no fixed (γ, depth) measured at every point: nothing to compare")
     fixed = {k: [m[k] for m in medians] for k in sorted(common)}
     return {
         "classes": list(reports),
@@ -404,7 +406,10 @@ def across_main(argv: list[str]) -> int:
         if not path.is_file():
             p.error(f"no {path}")
         reports[run.name] = json.loads(path.read_text())
-    report = across(reports)
+    try:
+        report = across(reports)
+    except ValueError as e:
+        p.error(str(e))
     table = across_markdown(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -47,13 +47,16 @@ def measure(engine: TargetEngine, sessions: int, length: int, gamma: int, repeat
     return batched, alone
 
 
+SHORT = 50  # cached positions of the round a prefill rides with
+
+
 def prefill_costs(engine: TargetEngine, held: int, gamma: int, repeats: int) -> list[tuple[str, float]]:
-    """Median milliseconds of: one round alone (γ + 1 positions after 50 cached), and 1, 2, 4 prefill
-    positions after `held` cached, alone and in one pass with the round."""
+    """Median milliseconds of: one round alone (γ + 1 positions after SHORT cached), and 1, 2, 4 prefill
+    positions after `held` (at least SHORT) cached, alone and in one pass with the round."""
     long_prompt, short = id_prompts(engine.info.vocabulary.size, 2, held)
     engine.forward("long", 0, list(long_prompt), wants_logits=False)
-    engine.forward("short", 0, list(short[:50]), wants_logits=False)
-    round_ = Forward("short", 50, tuple(range(5, 6 + gamma)))
+    engine.forward("short", 0, list(short[:SHORT]), wants_logits=False)
+    round_ = Forward("short", SHORT, tuple(range(5, 6 + gamma)))
     rows = [("round alone", median_ms(lambda: engine.forward_many([round_]), repeats))]
     try:
         for k in (1, 2, 4):
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-at", type=int, help="instead: prefill positions' cost at this context")
     ap.add_argument("--dtype", default="auto", help="the target's dtype (serve --dtype)")
     args = ap.parse_args(argv)
+    if args.prefill_at is not None and args.prefill_at < SHORT:
+        ap.error(f"--prefill-at must be at least {SHORT}: the round it rides with keeps {SHORT} positions")
     engine = TargetEngine.load(args.target, dtype=args.dtype)
     if args.prefill_at:
         print(f"target {engine.info.target_id}, {engine.numerics.dtype}, prefill at {args.prefill_at}\n")

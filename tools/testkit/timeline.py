@@ -23,7 +23,8 @@ from tools.testkit.fakes import FakeVerifier, MistakenDrafter, fake_info, succes
 class Costs:
     """Seconds: a drafter call of n tokens takes draft_fixed + draft_token · n; a forward over n positions
     verify_fixed + verify_position · n (a stale proposal is answered without one); the wire rtt, half
-    each way. Each figure is scaled by a uniform factor in [1 - jitter, 1 + jitter]."""
+    each way; each times `beside` side by side. Each figure is scaled by a uniform factor in
+    [1 - jitter, 1 + jitter]."""
 
     draft_fixed: float
     draft_token: float
@@ -31,6 +32,9 @@ class Costs:
     verify_position: float
     rtt: float
     jitter: float = 0.0
+    # A forward sent while pipelining (depth > 0) and a draft made ahead of a verdict cost this much more:
+    # the drafter and the verifier sharing one machine's memory bandwidth (1.05-1.2 on the two-core rig).
+    beside: float = 1.0
 
 
 def tokens_per_second(
@@ -79,6 +83,8 @@ def tokens_per_second(
             if not verdict.stale:
                 positions = len(proposal.draft_token_ids) + 1
                 forward = scaled(costs.verify_fixed + costs.verify_position * positions)
+                depth = request.pipeline if request.pipeline is not None else plan.tuner.choice[1]
+                forward *= costs.beside if depth else 1.0
             server_free = max(now + scaled(costs.rtt / 2), server_free) + forward
             verdict = dataclasses.replace(verdict, verify_seconds=forward)
             coming.append((server_free + scaled(costs.rtt / 2), verdict))
@@ -101,6 +107,7 @@ def tokens_per_second(
             drafted = drafter.propose(job.base, job.gamma, request.sampling, plan.stops)
             # A plain step (γ 0) calls no drafter (EdgeSession._draft).
             seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma) if job.gamma else 0.0
+            seconds *= costs.beside if job.assumes else 1.0
             now += seconds
             plan.add_draft(job, drafted, seconds)
         else:

@@ -458,14 +458,20 @@ def test_the_tuners_path_is_its_start_and_every_change_with_its_round():
     assert path[-1][1:] == tuner.choice
 
 
-def test_the_verifiers_costs_fill_only_the_sizes_the_tuner_has_not_measured():
+def test_the_verifiers_costs_give_the_shape_and_the_edges_own_figures_the_level():
+    """The verifier's figures fill the sizes the tuner has not measured, scaled by its own figures over
+    the verifier's at the sizes both have: here the edge measured 4 positions at 0.5 s where the
+    verifier said 0.2 (its forward alone; the edge's ran beside its drafter), so 2.5 times each."""
     tuner = Tuner()
     tuner.observe_verify(3, 0.5)  # 4 positions, in turn
-    tuner.observe_server_costs({1: 0.1, 4: 0.2, 5: 0.3, 6: 0.0})
-    assert tuner.verify.means == {4: 0.5, 1: 0.1, 5: 0.3}  # its own figure kept; no 0 s figure
-    assert tuner.verify_ahead.means == {1: 0.1, 4: 0.2, 5: 0.3}
-    tuner.observe_server_costs({5: 9.0})  # a later open's figures: the size is measured by now
-    assert tuner.verify.means[5] == 0.3
+    tuner.observe_server_costs({1: 0.1, 4: 0.2, 5: 0.3, 6: 0.0})  # no 0 s figure
+    est = tuner.estimates()
+    assert [est.verify(g) for g in (0, 3, 4)] == pytest.approx([0.25, 0.5, 0.75])
+    assert est.verify(4, ahead=True) == pytest.approx(0.75)  # side by side: borrowed, as the rest
+    assert tuner.verify.means == {4: 0.5}  # the tuner's own figures hold only its own
+    tuner.observe_server_costs({5: 0.6})  # a later open's figure replaces the older one
+    assert tuner.estimates().verify(4) == pytest.approx(1.5)
+    assert Tuner().estimates().verify(4) == 0.0  # nothing measured, nothing told
 
 
 # Speculation that does not pay: a draft wrong on purpose (acceptance 0.05) against one that is right.
