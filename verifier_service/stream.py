@@ -123,7 +123,8 @@ class Verifier:
         self.engine, self.config = engine, config
         self.stats = VerifierStats()
         self.batcher = Batcher(engine, config.batch, GammaCap(config.limits.max_gamma, config.gamma_cap))
-        if config.batch.calibrate:  # before the engine keeps finished caches: it keeps none of this
+        if config.batch.calibrate:  # with no finished cache kept (an engine may have served before)
+            engine.keep_finished(PrefixCacheConfig())
             self.batcher.calibrate(config.limits.max_gamma + 1)
         self.admission = Admission(sized(config.admission))
         # Kept caches live inside the KV budget too: they give way to the sessions' reservations.
