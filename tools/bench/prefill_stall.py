@@ -4,7 +4,8 @@ the flood is N thin sessions whose edge never reads (`serve --thin-read-ahead`, 
 --read-aheads) instead of long prompts.
 
     python -m tools.bench.prefill_stall [--target DIR] [--prompt-tokens 5000] [--floods 2]
-    python -m tools.bench.prefill_stall --prompt-tokens 5000 --floods 1 --min-prefill 1,0.125
+    python -m tools.bench.prefill_stall --prompt-tokens 5000 --floods 1 --min-prefill 1,0.125 \
+        [--serve-flags '--prefill-share 0.2']
     python -m tools.bench.prefill_stall --thin 50 --thin-tokens 1000 --read-aheads 64,100000
     python -m tools.bench.prefill_stall --refused 2000 --refusal-limits 0,20
     python -m tools.bench.prefill_stall --refused 2000 --message-limits 1048576,auto
@@ -34,6 +35,7 @@ import collections
 import json
 import os
 import random
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", default="0.5,0", help="the --prefill-share of each arm")
     p.add_argument("--prefill-s", help="each arm's --max-prefill-s instead (--prefill-share at its default)")
     p.add_argument("--min-prefill", help="each arm's --min-prefill-positions instead (1: a position a round)")
+    p.add_argument("--serve-flags", default="", help="more serve flags for every arm ('--prefill-share 0.2')")
     p.add_argument("--verifier-cpu", type=int, default=1)
     p.add_argument("--thin", type=int, default=0, help="flood with this many unread thin sessions instead")
     p.add_argument("--thin-tokens", type=int, default=1000, help="new tokens each thin session asks for")
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         arm_flag = [] if value == "auto" else [flag, value]
         extra = ["--dtype", "float32", *arm_flag, "--prefix-cache-mb", "0", "--max-sessions", "512"]
         extra += ["--max-sessions-per-client", "512", "--client-kv-share", "1"]
+        extra += shlex.split(args.serve_flags)
         with ServerProcess(args.target, *extra, cpus=(args.verifier_cpu,), timeout=300) as server:
             results[f"{flag} {value}"] = asyncio.run(arm(server.address, args))
         print(json.dumps({f"{flag} {value}": results[f"{flag} {value}"]}), flush=True)
