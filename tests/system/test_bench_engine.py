@@ -1,6 +1,6 @@
 """Smoke runs of the engine's and the tuner's benches, so that they cannot rot: `python -m tools.bench.engine
 --prefill-at` on the demo target at a tiny context (every arm timed, in its order), and
-`python -m tools.bench.tuner_clock` on the virtual clock."""
+`python -m tools.testkit.tuner_clock` on the virtual clock."""
 
 import subprocess
 import sys
@@ -28,11 +28,11 @@ def test_prefill_at_under_the_rounds_kept_length_is_refused():
 
 
 def test_the_tuners_clock_compares_every_condition():
-    """`python -m tools.bench.tuner_clock` (virtual time, no model) at one seed: a row per condition."""
-    from tools.bench import tuner_clock
+    """`python -m tools.testkit.tuner_clock` (virtual time, no model) at one seed: a row per condition."""
+    from tools.testkit import tuner_clock
 
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench.tuner_clock", "--seeds", "1"], capture_output=True, text=True
+        [sys.executable, "-m", "tools.testkit.tuner_clock", "--seeds", "1"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]

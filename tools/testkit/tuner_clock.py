@@ -1,4 +1,4 @@
-"""`python -m tools.bench.tuner_clock`: the adaptive tuner's learning cost over one bench point, on the
+"""`python -m tools.testkit.tuner_clock`: the adaptive tuner's learning cost over one bench point, on the
 virtual clock (tools/testkit/timeline.py: the real planner and tuner, given costs, no machine noise).
 
 A point of `tools.bench.adaptive` is three generations of 48 tokens through one tuner, started fresh. For
