@@ -217,11 +217,29 @@ def _with_server(table: dict[int, float], weights: Mapping[int, float], server: 
     """`table` (V by positions, as measured, each size's figures in `weights`) completed at the sizes it
     lacks from the verifier's `server` figures, scaled by the two's ratio at the sizes both have (1 where
     none)."""
+    server = _rising(server)
     common = [n for n in table if n in server]
     ratio = 1.0
     if common:
         ratio = sum(weights[n] * table[n] for n in common) / sum(weights[n] * server[n] for n in common)
     return {**{n: s * ratio for n, s in server.items()}, **table}
+
+
+def _rising(seconds: Mapping[int, float]) -> dict[int, float]:
+    """The verifier's figures by positions made non-decreasing (adjacent sizes that fall are pooled to
+    their mean): one forward timed a size at start-up is noisy, and on a small model a dip between two
+    sizes, within noise, made the tuner prefer the larger γ with a wrong draft, or a γ 1 round cheaper
+    than a plain step. The tuner's own figures may still show a real dip (CostLine)."""
+    blocks: list[list[float]] = []  # [total, count] of pooled adjacent sizes
+    sizes = sorted(seconds)
+    for n in sizes:
+        blocks.append([seconds[n], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    means = [total / count for total, count in blocks for _ in range(int(count))]
+    return dict(zip(sizes, means, strict=True))
 
 
 def best_setting(

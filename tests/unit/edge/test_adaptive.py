@@ -472,6 +472,9 @@ def test_the_verifiers_costs_give_the_shape_and_the_edges_own_figures_the_level(
     tuner.observe_server_costs({5: 0.6})  # a later open's figure replaces the older one
     assert tuner.estimates().verify(4) == pytest.approx(1.5)
     assert Tuner().estimates().verify(4) == 0.0  # nothing measured, nothing told
+    dip = Tuner()
+    dip.observe_server_costs({1: 0.3, 2: 0.1, 3: 0.4})  # a size timed once, within noise: never a dip
+    assert [dip.estimates().verify(g) for g in (0, 1, 2)] == pytest.approx([0.2, 0.2, 0.4])
 
 
 # Speculation that does not pay: a draft wrong on purpose (acceptance 0.05) against one that is right.
