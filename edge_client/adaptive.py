@@ -217,7 +217,9 @@ def _with_server(table: dict[int, float], weights: Mapping[int, float], server: 
     """`table` (V by positions, as measured, each size's figures in `weights`) completed at the sizes it
     lacks from the verifier's `server` figures, scaled by the two's ratio at the sizes both have (1 where
     none)."""
-    server = _rising(server)
+    # Not V(1): a plain step's cost stays the edge's own line's, as it was before the verifier told any
+    # (with a tiny target the verifier's flat V(1) kept a wrong draft speculating under load in CI).
+    server = {n: s for n, s in _rising(server).items() if n > 1}
     common = [n for n in table if n in server]
     ratio = 1.0
     if common:
