@@ -76,6 +76,7 @@ __all__ = [
     "TunerConfig",
     "expected_tokens",
     "off_tokens_per_second",
+    "path_rounds",
     "tokens_per_second",
 ]
 
@@ -242,6 +243,13 @@ def _rising(seconds: Mapping[int, float]) -> dict[int, float]:
             blocks[-1][1] += count
     means = [total / count for total, count in blocks for _ in range(int(count))]
     return dict(zip(sizes, means, strict=True))
+
+
+def path_rounds(path: list[tuple[int, int, int]], rounds: int) -> list[list[int]]:
+    """A tuner's path ((round, γ, depth) at each change, Tuner.path) as [γ, depth, rounds played at it] in
+    order, `rounds` the verified rounds seen in all."""
+    ends = [r for r, _, _ in path[1:]] + [rounds]
+    return [[g, d, end - start] for (start, g, d), end in zip(path, ends, strict=True)]
 
 
 def best_setting(

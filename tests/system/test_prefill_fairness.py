@@ -18,6 +18,28 @@ from verifier_service.engine import Forward
 pytestmark = pytest.mark.serial  # bounds on time: not beside another file
 
 
+def play(engine, config: BatchConfig, scenario, quiet_gc: bool = True):
+    """`scenario(batcher)` run on a batcher over `engine`. `quiet_gc`: what is timed is the batcher's
+    scheduling, not the collector: a full collection of what earlier tests left (after the 1.5B pair's,
+    in CI) once stalled one round for 130 ms."""
+
+    async def main():
+        batcher = Batcher(engine, config)
+        try:
+            return await scenario(batcher)
+        finally:
+            batcher.close()
+
+    if not quiet_gc:
+        return asyncio.run(main())
+    gc.collect()
+    gc.disable()
+    try:
+        return asyncio.run(main())
+    finally:
+        gc.enable()
+
+
 def test_a_bystanders_round_does_not_wait_behind_other_sessions_prefills():
     """Twenty sessions open with 400-position prompts just before a bystander's round: the round waits
     for one chunked batch (at most 64 prefill positions), not for 8,000 positions of prefill."""
@@ -42,15 +64,7 @@ def test_a_bystanders_round_does_not_wait_behind_other_sessions_prefills():
         return alone, crowded
 
     engine = PositionCostEngine()
-
-    async def main():
-        batcher = Batcher(engine, BatchConfig(window_s=0, max_prefill_positions=64))
-        try:
-            return await scenario(batcher)
-        finally:
-            batcher.close()
-
-    alone, crowded = asyncio.run(main())
+    alone, crowded = play(engine, BatchConfig(window_s=0, max_prefill_positions=64), scenario, quiet_gc=False)
     assert crowded < 0.3  # two batches of at most 65 positions at 1 ms each, with slack; unchunked: 8 s
     assert all(sum(len(f.token_ids) for f in b if not f.wants_logits) <= 64 for b in engine.batches)
 
@@ -96,22 +110,7 @@ def test_a_bystanders_rounds_stay_within_a_bound_while_long_prompts_prefill():
     def measure(share: float, per_context_s: float):
         engine = FakeEngine()
         engine.slow_s, engine.slow_per_position_s, engine.slow_per_context_s = 0.01, 0.001, per_context_s
-
-        async def main():
-            batcher = Batcher(engine, BatchConfig(window_s=0, prefill_share=share))
-            try:
-                return await scenario(batcher)
-            finally:
-                batcher.close()
-
-        # What is timed is the batcher's scheduling, not the collector: a full collection of what earlier
-        # tests left (after the 1.5B pair's, in CI) once stalled one round for 130 ms.
-        gc.collect()
-        gc.disable()
-        try:
-            return asyncio.run(main())
-        finally:
-            gc.enable()
+        return play(engine, BatchConfig(window_s=0, prefill_share=share), scenario)
 
     alone, crowded = measure(0.5, 2e-5)
     assert len(crowded) >= 20 and statistics.median(crowded) < 1.75 * alone, (alone, crowded)
@@ -158,20 +157,7 @@ def test_a_position_dearer_than_the_share_rides_with_some_rounds_only():
         return statistics.median(alone), crowded
 
     engine = DearPrefill()
-
-    async def main():
-        batcher = Batcher(engine, BatchConfig(window_s=0, prefill_share=0.5))
-        try:
-            return await scenario(batcher)
-        finally:
-            batcher.close()
-
-    gc.collect()
-    gc.disable()
-    try:
-        alone, crowded = asyncio.run(main())
-    finally:
-        gc.enable()
+    alone, crowded = play(engine, BatchConfig(window_s=0, prefill_share=0.5), scenario)
     rode = [  # prefill positions in each batch of rounds
         sum(len(f.token_ids) for f in b if not f.wants_logits) for b in engine.batches if b[0].wants_logits
     ]

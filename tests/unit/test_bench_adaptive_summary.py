@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from edge_client.adaptive import path_rounds
 from tools.bench.adaptive import across, across_markdown, markdown, summarize
 from tools.bench.arms import BenchConfig, Row
-from tools.bench.speed import path_rounds
 
 OUT = [[1, 2, 3]]
 

@@ -22,7 +22,7 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from edge_client.adaptive import tokens_per_second
+from edge_client.adaptive import path_rounds, tokens_per_second
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.bench.arms import BenchConfig, Row, params_for, route
@@ -174,12 +174,6 @@ class RowRun:
         row.tuner = tuner_view(tuner)
         row.reused_positions = sum(s.reused_positions for s in all_stats)
         return row
-
-
-def path_rounds(path: list[tuple[int, int, int]], rounds: int) -> list[list[int]]:
-    """A tuner's path ((round, γ, depth) at each change) as [γ, depth, rounds played at it] in order."""
-    ends = [r for r, _, _ in path[1:]] + [rounds]
-    return [[g, d, end - start] for (start, g, d), end in zip(path, ends, strict=True)]
 
 
 def tuner_view(tuner) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from edge_client.adaptive import Tuner, TunerConfig
+from edge_client.adaptive import Tuner, TunerConfig, path_rounds
 from tools.testkit import timeline
 
 MS = 1e-3
@@ -49,8 +49,7 @@ def point(costs, acceptance, top, seed, told=False, fixed=(None, None)) -> tuple
 
 def below_end(tuner: Tuner) -> float:
     """The share of the tuner's rounds played at a γ under the one it ended at."""
-    ends = [r for r, _, _ in tuner.path[1:]] + [tuner.rounds]
-    low = sum(e - r for (r, g, _), e in zip(tuner.path, ends, strict=True) if g < tuner.choice[0])
+    low = sum(n for g, _, n in path_rounds(tuner.path, tuner.rounds) if g < tuner.choice[0])
     return low / tuner.rounds if tuner.rounds else 0.0
 
 

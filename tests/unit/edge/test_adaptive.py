@@ -18,6 +18,7 @@ from edge_client.adaptive import (
     TunerConfig,
     best_setting,
     expected_tokens,
+    path_rounds,
     tokens_per_second,
 )
 from edge_client.planner import GenerationRequest, Planner
@@ -439,8 +440,7 @@ def test_a_tuner_told_the_verifiers_costs_wastes_fewer_of_a_short_points_rounds(
             48 / timeline.tokens_per_second(costs, 0.87, None, None, 48, seed=10 * seed + g, tuner=tuner)
             for g in range(3)
         )
-        ends = [r for r, _, _ in tuner.path[1:]] + [tuner.rounds]
-        low = sum(end - start for (start, g, _), end in zip(tuner.path, ends, strict=True) if g < 4)
+        low = sum(n for g, _, n in path_rounds(tuner.path, tuner.rounds) if g < 4)
         return 144 / seconds, low / tuner.rounds
 
     untold, told = ([point(t, seed) for seed in range(12)] for t in (False, True))
