@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge_client.adaptive import path_rounds
-from tools.bench.adaptive import across, across_markdown, markdown, summarize
+from tools.bench.adaptive import across, across_markdown, far_of_near, markdown, summarize
 from tools.bench.arms import BenchConfig, Row
 
 OUT = [[1, 2, 3]]
@@ -107,8 +107,27 @@ def test_across_classes_the_one_default_against_each_fixed_setting_measured_ever
     assert not o["within_at_every_point"]  # chat: 6.8 against γ 6's 9.0
     assert [(p["class"], p["within"]) for p in result["points"]] == [("haiku", True), ("chat", False)]
     table = across_markdown(result)
-    assert "2 points: haiku, chat" in table and "| chat | 0 | greedy | 0.76 | no |" in table
+    assert "2 points: haiku, chat" in table and "| chat | 0 | greedy | 0.76 | no | 3.40× |" in table
     assert "by sum yes (best fixed 4,2)" in table
     disjoint = {"haiku": reports["haiku"], "code": report({(6, 0): 5.0, (0, -1): 4.8})}
     with pytest.raises(ValueError, match="share no fixed"):
         across(disjoint)
+
+
+def test_far_of_near_is_each_class_and_modes_longest_rtt_over_its_shortest():
+    def point(cls, mode, rtt, rate):
+        return {"class": cls, "mode": mode, "rtt_ms": rtt, "adaptive_tokens_per_s": rate}
+
+    points = [
+        point("chat", "greedy", 30, 4.5),
+        point("chat", "greedy", 0, 5.0),
+        point("chat", "sampled", 0, 4.0),
+        point("code", "greedy", 0, 6.0),
+        point("code", "greedy", 30, 6.6),
+    ]
+    rows = far_of_near(points)
+    assert [(r["class"], r["mode"], r["rtts_ms"]) for r in rows] == [
+        ("chat", "greedy", [0, 30]),
+        ("code", "greedy", [0, 30]),
+    ]  # chat sampled has one RTT: nothing to compare
+    assert [r["ratio"] for r in rows] == pytest.approx([0.9, 1.1])
