@@ -115,12 +115,18 @@ def test_across_classes_the_one_default_against_each_fixed_setting_measured_ever
 
 
 def test_far_of_near_is_each_class_and_modes_longest_rtt_over_its_shortest():
-    def point(cls, mode, rtt, rate):
-        return {"class": cls, "mode": mode, "rtt_ms": rtt, "adaptive_tokens_per_s": rate}
+    def point(cls, mode, rtt, rate, fixed=None):
+        return {
+            "class": cls,
+            "mode": mode,
+            "rtt_ms": rtt,
+            "adaptive_tokens_per_s": rate,
+            "fixed_tokens_per_s": fixed or {},
+        }
 
     points = [
-        point("chat", "greedy", 30, 4.5),
-        point("chat", "greedy", 0, 5.0),
+        point("chat", "greedy", 30, 4.5, {"2,0": 3.0, "4,2": 4.0, "6,0": 2.0}),
+        point("chat", "greedy", 0, 5.0, {"2,0": 4.0, "4,2": 5.0, "6,0": 2.0}),
         point("chat", "sampled", 0, 4.0),
         point("code", "greedy", 0, 6.0),
         point("code", "greedy", 30, 6.6),
@@ -131,3 +137,4 @@ def test_far_of_near_is_each_class_and_modes_longest_rtt_over_its_shortest():
         ("code", "greedy", [0, 30]),
     ]  # chat sampled has one RTT: nothing to compare
     assert [r["ratio"] for r in rows] == pytest.approx([0.9, 1.1])
+    assert rows[0]["fixed_ratio"] == pytest.approx(0.8) and rows[1]["fixed_ratio"] is None  # 0.75, 0.8, 1
