@@ -58,6 +58,12 @@ def _serve(sub) -> None:
         help="never lower the γ the verdicts ask for under load (verifier_service/gamma_cap.py)",
     )
     p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip timing a forward of every round size at start-up (2·(max-gamma + 1) forwards: about "
+        "15 s on one core for the 1.5B target at max-gamma 16); new edges then learn V(n) on their own",
+    )
+    p.add_argument(
         "--max-message-bytes",
         type=positive,
         default=None,

@@ -45,6 +45,7 @@ def serve(args) -> int:
             prefill_share=args.prefill_share,
             min_prefill_positions=args.min_prefill_positions,
             max_prefill_s=args.max_prefill_s,
+            calibrate=not args.no_calibrate,
         ),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

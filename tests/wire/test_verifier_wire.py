@@ -31,7 +31,7 @@ from tests.bad_input_cases import (
 from tools.testkit.fakes import FakeEngine, fake_info, successor
 from tools.testkit.inprocess import InProcessServer
 from verifier_service.admission import AdmissionConfig
-from verifier_service.batcher import CALIBRATION_KEY
+from verifier_service.batcher import CALIBRATION_KEY, BatchConfig
 from verifier_service.lifecycle import LifetimeConfig
 from verifier_service.servicer import ServerConfig, VerifierLimits
 
@@ -146,6 +146,21 @@ def test_an_open_tells_the_verifiers_forward_time_by_positions():
     assert sorted(start) == list(range(1, info.max_gamma + 2))
     assert start[9] - start[1] > 0.015  # 8 positions more at 3 ms each
     assert moved[3] > start[3] + 0.02 and moved[5] == start[5]
+
+
+def test_a_verifier_started_without_calibration_tells_only_what_its_rounds_measured():
+    """`serve --no-calibrate`: no forward at start-up, so a first open hears no figure; a round's size
+    is told once a session has played it."""
+    fake = engine()
+    with InProcessServer(fake, config(batch=BatchConfig(calibrate=False))) as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            info = pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest())
+        first, _ = asyncio.run(exchange(srv.address, [open_msg(info, max_new=4)]))
+        draft = continuation(PROMPT, 2)
+        _, error = asyncio.run(exchange(srv.address, [open_msg(info, max_new=8), proposal(1, START, draft)]))
+        later, _ = asyncio.run(exchange(srv.address, [open_msg(info, max_new=4)]))
+    assert error is None and CALIBRATION_KEY not in fake.released
+    assert dict(first[0].opened.forward_seconds) == {} and sorted(later[0].opened.forward_seconds) == [3]
 
 
 def test_a_proposal_of_no_draft_token_is_a_plain_step(server, info):
