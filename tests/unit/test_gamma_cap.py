@@ -4,17 +4,12 @@ when the engine is the bottleneck (worked out by hand below for three cost lines
 cliff. Then in the verifier's sessions over a fake engine whose forward costs its positions: the verdicts
 of busy sessions advertise it, and the tokens do not change. The gauge of a live server: test_metrics.py."""
 
-import asyncio
 import itertools
 import random
 
 import pytest
 
-from draftwire.contract import Proposal, SessionSpec
-from tools.testkit.fakes import VOCAB, FakeEngine, target_continuation
-from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.gamma_cap import CapConfig, GammaCap
-from verifier_service.session import VerifierLimits, VerifierSession
 
 CPU = (0.025, 0.007)  # a forward's seconds: fixed, per position (one core, SmolLM2-135M-like)
 GPU = (0.020, 0.00002)  # nearly flat in positions
@@ -131,40 +126,3 @@ def test_a_disabled_cap_stays_at_max_gamma():
     cap = GammaCap(16, CapConfig(enabled=False))
     caps = simulate(cap, 200, rows=lambda i: 16, busy=lambda i: 1.0, alpha=0.8)
     assert set(caps) == {16}
-
-
-def test_busy_sessions_hear_a_falling_cap_in_their_verdicts_and_commit_the_targets_tokens():
-    """Eight edges that obey the cap, each drafting 8 tokens at first, accepted i.i.d. at 0.6, on an
-    engine whose batch costs 2 ms plus 1 ms a position. By hand, at B = 8 rows:
-    S(1) = 8·1.6/0.018 = 711, S(2) = 8·1.96/0.026 = 603 tokens per engine second: γ* = 1."""
-    engine = FakeEngine()
-    engine.slow_s, engine.slow_per_position_s = 0.002, 0.001
-    new_tokens = 120
-
-    async def edge(batcher: Batcher, i: int):
-        prompt = (3 + i, 7, 11 + i)
-        spec = SessionSpec(prompt, max_new_tokens=new_tokens, ignore_eos=True)
-        session = await VerifierSession.open(batcher, spec, VerifierLimits(max_gamma=8))
-        rng, gamma, caps = random.Random(i), 8, []
-        while session.finish is None:
-            draft = target_continuation(session.committed, gamma)
-            for k in range(gamma):  # the first rejected position is drafted wrong
-                if rng.random() > 0.6:
-                    draft[k] = (draft[k] + 1) % VOCAB
-                    break
-            proposal = Proposal(session.last_round + 1, len(session.committed), tuple(draft))
-            verdict = await session.play(proposal)
-            caps.append(verdict.gamma_cap)
-            gamma = min(8, verdict.gamma_cap)
-        return session.generated, caps
-
-    async def run():
-        batcher = Batcher(engine, BatchConfig(window_s=0.005), GammaCap(8, CapConfig(dwell=1, memory_s=0.2)))
-        try:
-            return await asyncio.gather(*(edge(batcher, i) for i in range(8)))
-        finally:
-            batcher.close()
-
-    for i, (generated, caps) in enumerate(asyncio.run(run())):
-        assert generated == target_continuation((3 + i, 7, 11 + i), new_tokens)
-        assert min(caps) == 1 and caps[-1] <= 2 and all(1 <= c <= 8 for c in caps)
