@@ -85,6 +85,15 @@ def _serve(sub) -> None:
         help="memory for finished sessions' KV caches, kept for the next turn of a conversation (0: none)",
     )
     p.add_argument("--prefix-cache-ttl", type=seconds, default=600, help="seconds a kept cache lives unused")
+    _add_metrics(p)
+    add_target_numerics(p)
+    add_limits(p)
+    _add_server_security(p)
+    _add_pool(p)
+
+
+def _add_metrics(p) -> None:
+    """Where the Prometheus metrics listen, and who may read them."""
     p.add_argument(
         "--metrics-port",
         type=port,
@@ -105,10 +114,6 @@ def _serve(sub) -> None:
         help="a file holding one token: every scrape must send `Authorization: Bearer TOKEN` (re-read at "
         "each scrape; default: no token)",
     )
-    add_target_numerics(p)
-    add_limits(p)
-    _add_server_security(p)
-    _add_pool(p)
 
 
 def _loadtest(sub) -> None:
