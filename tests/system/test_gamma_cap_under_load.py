@@ -9,6 +9,7 @@ import asyncio
 import random
 
 from draftwire.contract import Proposal, SessionSpec
+from tests.unit.test_batcher import run
 from tools.testkit.fakes import VOCAB, FakeEngine, target_continuation
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.gamma_cap import CapConfig, GammaCap
@@ -44,13 +45,11 @@ def test_busy_sessions_hear_a_falling_cap_in_their_verdicts_and_commit_the_targe
             gamma = min(8, verdict.gamma_cap)
         return session.generated, caps
 
-    async def run():
-        batcher = Batcher(engine, BatchConfig(window_s=0.005), GammaCap(8, CapConfig(dwell=1, memory_s=0.2)))
-        try:
-            return await asyncio.gather(*(edge(batcher, i) for i in range(8)))
-        finally:
-            batcher.close()
+    async def edges(batcher: Batcher):
+        return await asyncio.gather(*(edge(batcher, i) for i in range(8)))
 
-    for i, (generated, caps) in enumerate(asyncio.run(run())):
+    cap = GammaCap(8, CapConfig(dwell=1, memory_s=0.2))
+    results, _ = run(BatchConfig(window_s=0.005), edges, engine, cap)
+    for i, (generated, caps) in enumerate(results):
         assert generated == target_continuation((3 + i, 7, 11 + i), new_tokens)
         assert min(caps) == 1 and caps[-1] <= 2 and all(1 <= c <= 8 for c in caps)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tests.unit.test_batcher import PositionCostEngine
+from tests.unit.test_batcher import PositionCostEngine, run
 from tools.testkit.fakes import FakeEngine
-from verifier_service.batcher import BatchConfig, Batcher
+from verifier_service.batcher import BatchConfig
 from verifier_service.engine import Forward
 
 pytestmark = pytest.mark.serial  # bounds on time: not beside another file
@@ -23,19 +23,12 @@ def play(engine, config: BatchConfig, scenario, quiet_gc: bool = True):
     scheduling, not the collector: a full collection of what earlier tests left (after the 1.5B pair's,
     in CI) once stalled one round for 130 ms."""
 
-    async def main():
-        batcher = Batcher(engine, config)
-        try:
-            return await scenario(batcher)
-        finally:
-            batcher.close()
-
     if not quiet_gc:
-        return asyncio.run(main())
+        return run(config, scenario, engine)[0]
     gc.collect()
     gc.disable()
     try:
-        return asyncio.run(main())
+        return run(config, scenario, engine)[0]
     finally:
         gc.enable()
 

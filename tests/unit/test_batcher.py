@@ -6,15 +6,16 @@ import time
 from tools.testkit.fakes import FakeEngine
 from verifier_service.batcher import BatchConfig, Batcher
 from verifier_service.engine import Forward
+from verifier_service.gamma_cap import GammaCap
 
 
-def run(config: BatchConfig, scenario, engine: FakeEngine | None = None):
-    """Runs `scenario(batcher)` on a fresh batcher over a fake engine (a FakeEngine unless given);
-    returns (its result, engine)."""
+def run(config: BatchConfig, scenario, engine: FakeEngine | None = None, gamma_cap: GammaCap | None = None):
+    """Runs `scenario(batcher)` on a fresh batcher over a fake engine (a FakeEngine unless given), with
+    `gamma_cap` if given; returns (its result, engine)."""
     engine = engine if engine is not None else FakeEngine()
 
     async def main():
-        batcher = Batcher(engine, config)
+        batcher = Batcher(engine, config, gamma_cap)
         try:
             return await scenario(batcher)
         finally:
