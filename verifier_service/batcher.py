@@ -226,14 +226,14 @@ class Batcher:
                         future.set_result(result)
 
     def _observe_load(self, forwards: list[Forward]) -> None:
-        """Tells the γ cap of the batch that just ended: its rounds, positions, time, and the time since
-        the last batch ended (so the engine's busy share)."""
+        """Tells the γ cap of the batch that just ended: its rounds, positions, time, the time since the
+        last batch ended (so the engine's busy share), and the sessions open."""
         now = time.perf_counter()
         if self.gamma_cap is not None and forwards:
             interval = now - self._last_end if self._last_end is not None else None
             rounds = sum(f.wants_logits for f in forwards)
             positions = sum(len(f.token_ids) for f in forwards)
-            self.gamma_cap.observe_batch(rounds, positions, self._last_batch_s, interval)
+            self.gamma_cap.observe_batch(rounds, positions, self._last_batch_s, interval, len(self._open))
         self._last_end = now
 
     def _take_batch(self, pending: list) -> tuple[list, list]:

@@ -20,6 +20,13 @@ max_gamma − p · (max_gamma − γ*); the cap moves one step towards it at mos
 (every batch while it climbs back with no pressure left), never below 1. A cap above every γ the edges
 send binds nobody, so it comes down to the largest of them at once; below that it steps. Idle or
 lightly loaded, the cap is max_gamma: no limit.
+
+A lone session is never capped. The cap trades a session's own speed for what the engine serves the
+others; with nobody else open, the busy share is that session's own verify time (one session in turn on
+the Qwen pair keeps a CPU engine 75-80 % busy), and its own tuner, which weighs its drafting and round
+trip as the cap cannot, chooses its γ best. So the pressure counts only while two or more sessions are
+open (docs/benchmarks.md: at haiku's acceptance a cap of 3 held the fixed γ 4 rows of a lone session
+below 4 in 59-62 % of their rounds).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class GammaCap:
         self.busy_share = 0.0
         self.rows = 0.0  # rounds a batch, thin sessions' included
         self.edge_rows = 0.0  # of which edges' (the only ones γ changes)
+        self.sessions = 0  # sessions open at the last batch (at least its rows)
         self._edge_rounds = 0  # edge rounds completed since the last batch: that batch's edge rows
         self.cost = CostLine(config.smoothing, fixed_share=0.5)
         self._acceptance = AcceptanceCounts(max_gamma, config.acceptance_decay, prior=0.6, prior_weight=2.0)
@@ -64,10 +72,13 @@ class GammaCap:
         self._sent.append(draft_tokens)
         self._edge_rounds += 1
 
-    def observe_batch(self, rows: int, positions: int, seconds: float, interval_s: float | None) -> None:
+    def observe_batch(
+        self, rows: int, positions: int, seconds: float, interval_s: float | None, sessions: int = 0
+    ) -> None:
         """An engine batch of `rows` rounds and `positions` positions that took `seconds`, ending
-        `interval_s` after the batch before it ended (None for the first); then moves the cap as the
-        rules allow."""
+        `interval_s` after the batch before it ended (None for the first), with `sessions` open (a batch's
+        rows are at least that many); then moves the cap as the rules allow."""
+        self.sessions = max(sessions, rows)
         # The edge rounds completed since the last batch were that batch's (their verdicts follow it).
         edge, self._edge_rounds = self._edge_rounds, 0
         if interval_s is None:  # nothing to measure the busy share against yet
@@ -103,6 +114,8 @@ class GammaCap:
     @property
     def pressure(self) -> float:
         c = self.config
+        if self.sessions < 2:  # a lone session: nobody to serve by slowing it
+            return 0.0
         return min(1.0, max(0.0, (self.busy_share - c.calm) / (c.busy - c.calm)))
 
     def goal(self) -> int:
