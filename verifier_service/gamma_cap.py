@@ -76,8 +76,8 @@ class GammaCap:
         self, rows: int, positions: int, seconds: float, interval_s: float | None, sessions: int = 0
     ) -> None:
         """An engine batch of `rows` rounds and `positions` positions that took `seconds`, ending
-        `interval_s` after the batch before it ended (None for the first), with `sessions` open (a batch's
-        rows are at least that many); then moves the cap as the rules allow."""
+        `interval_s` after the batch before it ended (None for the first), with `sessions` open (taken as
+        at least the batch's rows); then moves the cap as the rules allow."""
         self.sessions = max(sessions, rows)
         # The edge rounds completed since the last batch were that batch's (their verdicts follow it).
         edge, self._edge_rounds = self._edge_rounds, 0

@@ -1,8 +1,8 @@
 """The verifier's γ cap under load (verifier_service/gamma_cap.py). Fed the figures of simulated batches:
 it stays off while the engine has room, falls to the γ that serves the most tokens per engine second
 when the engine is the bottleneck (worked out by hand below for three cost lines), and moves without a
-cliff. Then in the verifier's sessions over a fake engine whose forward costs its positions: the verdicts
-of busy sessions advertise it, and the tokens do not change. The gauge of a live server: test_metrics.py."""
+cliff; a lone session is never capped. Busy sessions hearing it in their verdicts, through the batcher:
+tests/system/test_gamma_cap_under_load.py; the gauge of a live server: test_metrics.py."""
 
 import itertools
 import random
