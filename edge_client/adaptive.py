@@ -217,15 +217,23 @@ def _busy(draft_s: float, back_s: float, depth: int) -> float:
 def _with_server(table: dict[int, float], weights: Mapping[int, float], server: Mapping[int, float]) -> dict:
     """`table` (V by positions, as measured, each size's figures in `weights`) completed at the sizes it
     lacks from the verifier's `server` figures, scaled by the two's ratio at the sizes both have (1 where
-    none)."""
-    # Not V(1): a plain step's cost stays the edge's own line's, as it was before the verifier told any
-    # (with a tiny target the verifier's flat V(1) kept a wrong draft speculating under load in CI).
-    server = {n: s for n, s in _rising(server).items() if n > 1}
+    none).
+
+    V(1), a plain step's, included: speculating, the edge times no forward of one position, and its own
+    line through a size or two near γ + 1, with the guessed fixed share, put the 1.5B target's step at
+    0.58 of a 6-position round where the verifier's figures say 0.9. Plain steps then looked cheap, and
+    speculation turned off in chat and haiku, where it paid 1.5-2.3x (docs/benchmarks.md). A V(1) from the
+    verifier's figures is held at or below every other size's estimate: the scaling mixes two sources,
+    and a plain step dearer than a round would keep a wrong draft speculating."""
+    server = _rising(server)
     common = [n for n in table if n in server]
     ratio = 1.0
     if common:
         ratio = sum(weights[n] * table[n] for n in common) / sum(weights[n] * server[n] for n in common)
-    return {**{n: s * ratio for n, s in server.items()}, **table}
+    merged = {**{n: s * ratio for n, s in server.items()}, **table}
+    if 1 in merged and 1 not in table and len(merged) > 1:
+        merged[1] = min(merged[1], *(s for n, s in merged.items() if n > 1))
+    return merged
 
 
 def _rising(seconds: Mapping[int, float]) -> dict[int, float]:

@@ -18,6 +18,7 @@ from edge_client.adaptive import (
     TunerConfig,
     best_setting,
     expected_tokens,
+    off_tokens_per_second,
     path_rounds,
     tokens_per_second,
 )
@@ -466,7 +467,7 @@ def test_the_verifiers_costs_give_the_shape_and_the_edges_own_figures_the_level(
     tuner.observe_verify(3, 0.5)  # 4 positions, in turn
     tuner.observe_server_costs({1: 0.1, 4: 0.2, 5: 0.3, 6: 0.0})  # no 0 s figure
     est = tuner.estimates()
-    assert [est.verify(g) for g in (3, 4)] == pytest.approx([0.5, 0.75])  # V(1): the edge's own line
+    assert [est.verify(g) for g in (0, 3, 4)] == pytest.approx([0.25, 0.5, 0.75])  # V(1), a plain step's too
     assert est.verify(4, ahead=True) == pytest.approx(0.75)  # side by side: borrowed, as the rest
     assert tuner.verify.means == {4: 0.5}  # the tuner's own figures hold only its own
     tuner.observe_server_costs({5: 0.6})  # a later open's figure replaces the older one
@@ -474,7 +475,38 @@ def test_the_verifiers_costs_give_the_shape_and_the_edges_own_figures_the_level(
     assert Tuner().estimates().verify(4) == 0.0  # nothing measured, nothing told
     dip = Tuner()
     dip.observe_server_costs({1: 0.3, 2: 0.1, 3: 0.4})  # a size timed once, within noise: never a dip
-    assert [dip.estimates().verify(g) for g in (1, 2)] == pytest.approx([0.2, 0.4])
+    assert [dip.estimates().verify(g) for g in (0, 1, 2)] == pytest.approx([0.2, 0.2, 0.4])
+    # A plain step is never dearer than a round: here the scaling (1.67, from the edge's two sizes) puts
+    # the verifier's V(1) at 0.5, above the 2-position round the edge measured at 0.2 (0.21 as estimated).
+    mixed = Tuner()
+    mixed.observe_verify(1, 0.2)
+    mixed.observe_verify(3, 0.8)
+    mixed.observe_server_costs({1: 0.3, 2: 0.3, 4: 0.3})
+    est = mixed.estimates()
+    assert est.verify(0) == pytest.approx(est.verify(1)) and est.verify(1) < 0.25
+
+
+def test_a_plain_step_costs_what_the_verifier_says_not_the_edges_line_through_its_rounds():
+    """Speculating, the edge times no forward of one position; its line through the rounds it times (here
+    6 positions only, with the guessed fixed share) put the 1.5B target's step at 0.58 of a round, where
+    the verifier's figures say 0.88, and plain steps looked cheap enough to turn speculation off at an
+    acceptance it pays at. With the verifier's figures, V(1) is theirs, scaled to the edge's level."""
+    tuner = Tuner()
+    for _ in range(8):
+        tuner.observe_verify(5, 0.34)
+        tuner.observe_draft(5, 0.17)
+    line = tuner.estimates()
+    assert line.verify(0) == pytest.approx(0.58 * 0.34, rel=0.01)
+    tuner.observe_server_costs({1: 0.30, 2: 0.31, 4: 0.32, 6: 0.34, 7: 0.40})
+    told = tuner.estimates()
+    assert told.verify(0) == pytest.approx(0.30) and told.verify(5) == pytest.approx(0.34)
+    # Chat on the pair at 30 ms, in a stretch where each position is accepted half the time: γ 5 still
+    # beats handing 16 steps to the verifier, as measured (docs/benchmarks.md); the line's V(1) said
+    # the opposite, by more than the off margin.
+    told, line = (dataclasses.replace(e, acceptance=(0.5,) * 10, rtt_s=0.03) for e in (told, line))
+    assert tokens_per_second(told, 5, 0) > off_tokens_per_second(told, 16)
+    margin = 1 + TunerConfig().off_margin
+    assert off_tokens_per_second(line, 16) > margin * tokens_per_second(line, 5, 0)
 
 
 # Speculation that does not pay: a draft wrong on purpose (acceptance 0.05) against one that is right.
