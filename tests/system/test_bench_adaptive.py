@@ -1,4 +1,5 @@
-"""Smoke run of `python -m tools.bench.adaptive` on the demo pair at tiny sizes, so that it cannot rot."""
+"""Smoke runs of `python -m tools.bench.adaptive` and `python -m tools.bench.fallback` on the demo pair at
+tiny sizes, so that they cannot rot."""
 
 import json
 import subprocess
@@ -13,9 +14,10 @@ def test_adaptive_bench_smoke(tmp_path):
     cmd = [sys.executable, "-m", "tools.bench.adaptive", "--target", str(DEMO / "target")]
     cmd += ["--draft", str(DEMO / "draft-q8_0.gguf"), "--prompts", "2", "--prompt-tokens", "12"]
     cmd += ["--max-new-tokens", "12", "--gammas", "1,3", "--depths", "0,1", "--rtts", "0,5"]
-    cmd += ["--two-device", "0:1", "--out", str(out)]
+    cmd += ["--two-device", "0:1", "--rtts-together", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 and 5 ms RTT, greedy" in proc.stderr  # both RTTs' rows in one pass, taking turns
     report = json.loads((out / "adaptive.json").read_text())
     assert [(p["rtt_ms"], p["mode"]) for p in report["points"]] == [
         (0, "greedy"),
@@ -40,3 +42,19 @@ def test_adaptive_bench_smoke(tmp_path):
     table = (out / "adaptive.md").read_text()
     assert "every output equals the target alone's" in table and "beats every fixed setting" in table
     assert "Model check" in table and "| 5 | sampled |" in table
+
+
+def test_fallback_bench_smoke(tmp_path):
+    """Every row with the right draft and with the wrong one (each token shifted: it never agrees), exact."""
+    out = tmp_path / "fallback"
+    cmd = [sys.executable, "-m", "tools.bench.fallback", "--target", str(DEMO / "target")]
+    cmd += ["--draft", str(DEMO / "draft-q8_0.gguf"), "--prompts", "1", "--prompt-tokens", "12"]
+    cmd += ["--max-new-tokens", "12", "--two-device", "0:1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "fallback.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 6 and all(r["exact"] for r in rows)
+    wrong = [r["acceptance"] or 0.0 for r in rows if r["draft"] == "wrong"]
+    right = [r["acceptance"] or 0.0 for r in rows if r["draft"] == "right"]
+    assert max(wrong) < 0.25 < min(right), (wrong, right)
+    assert "Last reasons of the fallback rows' tuners" in (out / "fallback.md").read_text()

@@ -138,3 +138,30 @@ def test_far_of_near_is_each_class_and_modes_longest_rtt_over_its_shortest():
     ]  # chat sampled has one RTT: nothing to compare
     assert [r["ratio"] for r in rows] == pytest.approx([0.9, 1.1])
     assert rows[0]["fixed_ratio"] == pytest.approx(0.8) and rows[1]["fixed_ratio"] is None  # 0.75, 0.8, 1
+
+
+def test_the_longer_rtts_figures_over_loopbacks_pass_by_pass_beside_the_fixed_settings():
+    """With --rtts-together a pass's rows at both RTTs took turns: the defaults' ratio pass by pass is
+    then free of the machine's drift, which the fixed settings' own ratio shows."""
+    config = BenchConfig(Path("t"), Path("d"), None, ((1, 2),), rtts_ms=(0, 30))
+    rates = {  # (setting, RTT): tokens/s in pass 0, 1, 2
+        ((0, -1), 0): (5.0, 4.0, 6.0),
+        ((0, -1), 30): (4.5, 3.8, 5.4),  # 0.90, 0.95, 0.90 pass by pass; medians 4.5 of 5.0
+        ((2, 0), 0): (4.0, 4.0, 4.0),
+        ((2, 0), 30): (3.0, 3.2, 3.4),  # median 3.2: 0.8
+    }
+    rows = []
+    for p in range(3):
+        for (setting, rtt), figures in rates.items():
+            label = "draftwire, adaptive (ended at γ 2, depth 0; 1 moves)" if setting == (0, -1) else "x"
+            r = row(setting, figures[p], p, label)
+            r.rtt_ms = float(rtt)
+            rows.append(r)
+    alone = {"greedy": Row("a", "alone", "greedy", tokens=200, wall_s=100.0, outputs=OUT)}
+    report = summarize(config, alone, rows, rtts_together=True)
+    (ratio,) = report["far_of_near"]
+    assert ratio["rtts_ms"] == [0, 30] and ratio["ratio"] == pytest.approx(4.5 / 5.0)
+    assert ratio["by_pass"] == pytest.approx([0.9, 0.95, 0.9]) and ratio["fixed_ratio"] == pytest.approx(0.8)
+    table = markdown(report)
+    assert "took turns in each pass" in table
+    assert "| greedy | 30 of 0 | 0.90 | 0.90, 0.95, 0.90 | 0.80 |" in table

@@ -11,7 +11,9 @@ there, and over the whole set with every fixed setting (the sum of tokens/s and 
 Where the rig's noise is wider than the 5 % margins read here, `--repeats N` plays each point's
 interleaved pass N times, a fresh session (and tuner) each time: a setting's figure at a point is then
 its median over the passes, and the tables give the spread, the adaptive row over the best fixed one
-pass by pass, and the fixed rows' own spread (max - min over median).
+pass by pass, and the fixed rows' own spread (max - min over median). With `--rtts-together` a pass
+holds every RTT's rows too, taking turns with the rest, so that a longer RTT's figures over loopback's
+are free of the machine's drift between points.
 
 `python -m tools.bench.adaptive across RUN_DIR... [--out DIR]` reads several runs (a prompt class each)
 and compares them as one set: the one default has to serve every class, where the best fixed setting
@@ -43,9 +45,11 @@ from tools.rig import devices
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
 
 
-async def run_all(config: BenchConfig, log=print, repeats: int = 1) -> dict:
+async def run_all(config: BenchConfig, log=print, repeats: int = 1, rtts_together: bool = False) -> dict:
     """Every point: the adaptive row, then each fixed (γ in config.gammas, depth in config.pipelines),
-    `repeats` interleaved passes each."""
+    `repeats` interleaved passes each. `rtts_together`: a pass holds every RTT's rows, taking turns as
+    the settings do, so that the machine's drift between points (15-20 minutes apart on the Qwen pair)
+    falls on each RTT alike and the longer RTT's figures over loopback's compare like with like."""
     from tools.bench import target_arms
 
     reference = {r.mode: r for r in target_arms.in_child(config, log) if r.arm == "a"}
@@ -55,58 +59,69 @@ async def run_all(config: BenchConfig, log=print, repeats: int = 1) -> dict:
     drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
     rows: list[Row] = []
     settings = [(None, None)] + [(g, d) for g in config.gammas for d in config.pipelines]
+    groups = [tuple(config.rtts_ms)] if rtts_together else [(rtt,) for rtt in config.rtts_ms]
     with server:
         host, port = server.address.rsplit(":", 1)
-        for rtt in config.rtts_ms:
-            async with route(host, int(port), rtt) as address:
+        async with contextlib.AsyncExitStack() as stack:
+            addresses = {
+                rtt: await stack.enter_async_context(route(host, int(port), rtt)) for rtt in config.rtts_ms
+            }
+            for group in groups:
                 for mode in reference:
                     for repeat in range(repeats):
+                        at = " and ".join(f"{rtt:g}" for rtt in group)
                         log(
-                            f"{rtt:g} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings"
+                            f"{at} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings"
                             + (f", pass {repeat + 1} of {repeats}" if repeats > 1 else "")
                         )
                         # Each pass starts the rotation elsewhere, so no setting always runs first.
-                        order = settings[repeat:] + settings[:repeat]
-                        here = await interleaved(config, drafter, address, server.address, mode, rtt, order)
+                        turns = [(g, d, rtt) for rtt in group for g, d in settings]
+                        order = turns[repeat:] + turns[:repeat]
+                        here = await interleaved(config, drafter, addresses, server.address, mode, order)
                         for row in here:
                             row.repeat = repeat
                         rows += here
-    return summarize(config, reference, rows)
+    return summarize(config, reference, rows, rtts_together)
 
 
-async def interleaved(config, drafter, address, upstream, mode, rtt, settings, tuners=None) -> list[Row]:
-    """One point's rows, taking turns prompt by prompt: each setting keeps its own edge session (the
-    adaptive one its tuner) across the prompts, and the order rotates from prompt to prompt, so a burst
-    of load falls on every setting alike and none always runs first.
+async def interleaved(config, drafter, addresses, upstream, mode, settings, tuners=None) -> list[Row]:
+    """One pass's rows, taking turns prompt by prompt: each setting (γ, depth, RTT) keeps its own edge
+    session (the adaptive one its tuner) across the prompts, and the order rotates from prompt to
+    prompt, so a burst of load falls on every setting alike and none always runs first. `addresses`:
+    the verifier's address (a delaying proxy) for each RTT.
 
     Before a prompt's turn, an untimed one-token generation prefills it in the drafter's KV cache and in
     the verifier's kept caches, so that no row pays a prefill and the rows compare decoding alone, as
     in a conversation's later turns. Without it the turn's first row paid the drafter's prefill (about
     200 ms of llama.cpp on one core for a 40-token chat prompt) and every later row reused it. The
-    verifier keeps an anonymous caller's caches per connection, so the rows and the warm-up share one
-    channel; the rows' `reused_positions` show it.
+    verifier keeps an anonymous caller's caches per connection, so the rows of an RTT and its warm-up
+    share one channel; the rows' `reused_positions` show it.
 
     `tuners`: a TunerConfig per setting (None: the default tuner's)."""
     async with contextlib.AsyncExitStack() as stack:
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+        channels = {
+            rtt: await stack.enter_async_context(grpc.aio.insecure_channel(addresses[rtt]))
+            for rtt in dict.fromkeys(rtt for _, _, rtt in settings)
+        }
         runs = [
             await stack.enter_async_context(
-                RowRun(config, drafter, address, upstream, mode, g, rtt, d, channel=channel)
+                RowRun(config, drafter, addresses[rtt], upstream, mode, g, rtt, d, channel=channels[rtt])
             )
-            for g, d in settings
+            for g, d, rtt in settings
         ]
         for run, tuner in zip(runs, tuners or [None] * len(runs), strict=True):
             if tuner is not None:
                 run.session.tuner = Tuner(tuner)
-        warm = EdgeSession(channel, drafter)
+        warm = [EdgeSession(channel, drafter) for channel in channels.values()]
         for i in range(len(config.prompts)):
             prefill = GenerationRequest(config.prompts[i], params_for(mode, config, i), 1, 1, pipeline=0)
-            await warm.run(prefill)
+            for session in warm:
+                await session.run(prefill)
             turn = i % len(runs)
             for run in runs[turn:] + runs[:turn]:
                 await run.prompt(i)
         rows = [run.row() for run in runs]
-    for row, (_, depth) in zip(rows, settings, strict=True):
+    for row, (_, depth, _) in zip(rows, settings, strict=True):
         row.pipeline = -1 if depth is None else depth  # -1: the adaptive row
         add_bound(row)
     return rows
@@ -119,7 +134,9 @@ def _setting(row: Row) -> str | tuple[int, int]:
     return ADAPTIVE if row.pipeline == -1 else (row.gamma, row.pipeline)
 
 
-def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -> dict:
+def summarize(
+    config: BenchConfig, reference: dict[str, Row], rows: list[Row], rtts_together: bool = False
+) -> dict:
     """Per point the adaptive and the best fixed tokens/s, each a setting's median over the point's
     passes (its one figure when there is one pass), with the adaptive row over the best fixed one pass
     by pass and the fixed rows' spread; over the set, adaptive against each fixed setting."""
@@ -183,7 +200,46 @@ def summarize(config: BenchConfig, reference: dict[str, Row], rows: list[Row]) -
             for r in rows
         ],
         "exact": exact,
+        "rtts_together": rtts_together,
+        "far_of_near": rtt_ratios(rows),
     }
+
+
+def rtt_ratios(rows: list[Row]) -> list[dict]:
+    """Per mode, the longest RTT's tokens/s over the shortest's (issue 29: 30 ms at least 0.9 of
+    loopback): the defaults' medians' ratio and pass by pass (the same pass's rows at both RTTs; with
+    --rtts-together they took turns, so the machine's drift falls on both alike), beside the median of
+    the fixed settings' own ratios, which show what the machine did between the two."""
+    out = []
+    for mode in dict.fromkeys(r.mode for r in rows):
+        rate = {(_setting(r), r.rtt_ms, r.repeat): r.tokens_per_s for r in rows if r.mode == mode}
+        rtts = sorted({t for _, t, _ in rate})
+        if len(rtts) < 2:
+            continue
+        near, far = rtts[0], rtts[-1]
+
+        def median(setting, rtt, rate=rate):
+            return statistics.median(v for (k, t, _), v in rate.items() if k == setting and t == rtt)
+
+        passes = sorted({p for _, _, p in rate})
+        by_pass = [
+            rate[(ADAPTIVE, far, p)] / rate[(ADAPTIVE, near, p)]
+            for p in passes
+            if (ADAPTIVE, far, p) in rate and (ADAPTIVE, near, p) in rate
+        ]
+        fixed = {k for k, t, _ in rate if k != ADAPTIVE and t == far} & {k for k, t, _ in rate if t == near}
+        out.append(
+            {
+                "mode": mode,
+                "rtts_ms": [near, far],
+                "ratio": median(ADAPTIVE, far) / median(ADAPTIVE, near),
+                "by_pass": by_pass,
+                "fixed_ratio": statistics.median(median(k, far) / median(k, near) for k in fixed)
+                if fixed
+                else None,
+            }
+        )
+    return out
 
 
 def over_the_set(adaptive_rates: list[float], fixed_rates: dict[tuple[int, int], list[float]]) -> dict:
@@ -380,6 +436,7 @@ def markdown(report: dict) -> str:
         cells += ["yes" if p["within"] else "no", f"{p['rank']} of {p['fixed_settings'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_set_table(report["overall"]), "", *_verdict(report["overall"])]
+    lines += _rtt_table(report.get("far_of_near", []), report.get("rtts_together", False))
     lines += ["", *_paths(report["points"])]
     lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
     lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
@@ -390,6 +447,26 @@ def markdown(report: dict) -> str:
     bad = [k for k, ok in report["exact"].items() if not ok]
     lines.append("every output equals the target alone's" if not bad else f"outputs differing: {bad}")
     return "\n".join(lines)
+
+
+def _rtt_table(rows: list[dict], together: bool) -> list[str]:
+    if not rows:
+        return []
+    how = "took turns in each pass" if together else "ran one after the other"
+    lines = [
+        "",
+        f"The RTTs' rows {how}: the defaults' tok/s at the longer RTT over the shorter's, beside the "
+        "fixed settings' own ratio (median).",
+        "",
+        "| mode | RTT ms | defaults | pass by pass | fixed settings' |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fixed = f"{r['fixed_ratio']:.2f}" if r.get("fixed_ratio") else ""
+        passes = ", ".join(f"{x:.2f}" for x in r["by_pass"])
+        rtts = f"{r['rtts_ms'][1]:g} of {r['rtts_ms'][0]:g}"
+        lines.append(f"| {r['mode']} | {rtts} | {r['ratio']:.2f} | {passes} | {fixed} |")
+    return lines
 
 
 MODEL_CHECK = "Model check: measured tokens/s over the tuner's prediction for the row's (last) setting"
@@ -441,6 +518,12 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         help="interleaved passes of each point, a fresh session each; figures are medians over them",
     )
+    p.add_argument(
+        "--rtts-together",
+        action="store_true",
+        help="each pass holds every RTT's rows, taking turns: the RTTs then compare free of the "
+        "machine's drift between points",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/adaptive"), help="adaptive.json, adaptive.md")
     return p
 
@@ -481,7 +564,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         raise SystemExit("draftwire: --repeats must be at least 1")
     report = asyncio.run(
-        run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True), repeats=args.repeats)
+        run_all(
+            config,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+            repeats=args.repeats,
+            rtts_together=args.rtts_together,
+        )
     )
     report["command"] = " ".join(["python -m tools.bench.adaptive", *argv])
     args.out.mkdir(parents=True, exist_ok=True)

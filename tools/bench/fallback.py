@@ -58,8 +58,9 @@ async def run_all(config: BenchConfig, log=print) -> dict:
                 for kind, drafter in drafts.items():
                     for mode, alone in reference.items():
                         log(f"{rtt:g} ms RTT, {kind} draft, {mode}: {len(SETTINGS)} rows")
+                        turns = [(g, d, rtt) for g, d in SETTINGS]
                         rows = await interleaved(
-                            config, drafter, address, server.address, mode, rtt, SETTINGS, TUNERS
+                            config, drafter, {rtt: address}, server.address, mode, turns, TUNERS
                         )
                         report["rows"] += [
                             _row(rtt, kind, mode, label, row, alone)
