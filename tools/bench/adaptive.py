@@ -186,6 +186,10 @@ def summarize(
         + (f"/pass{r.repeat + 1}" if passes > 1 else ""): (r.outputs == reference[r.mode].outputs)
         for r in rows
     }
+    serialized = [
+        {**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tokens_per_s": r.tokens_per_s}
+        for r in rows
+    ]
     return {
         "config": {
             k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "prompts"
@@ -195,51 +199,31 @@ def summarize(
         "target_alone_tokens_per_s": {m: r.tokens_per_s for m, r in reference.items()},
         "points": points,
         "overall": overall,
-        "rows": [
-            {**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tokens_per_s": r.tokens_per_s}
-            for r in rows
-        ],
+        "rows": serialized,
         "exact": exact,
         "rtts_together": rtts_together,
-        "far_of_near": rtt_ratios(rows),
+        "far_of_near": rtt_ratios(serialized),
     }
 
 
-def rtt_ratios(rows: list[Row]) -> list[dict]:
-    """Per mode, the longest RTT's tokens/s over the shortest's (issue 29: 30 ms at least 0.9 of
-    loopback): the defaults' medians' ratio and pass by pass (the same pass's rows at both RTTs; with
-    --rtts-together they took turns, so the machine's drift falls on both alike), beside the median of
-    the fixed settings' own ratios, which show what the machine did between the two."""
-    out = []
-    for mode in dict.fromkeys(r.mode for r in rows):
-        rate = {(_setting(r), r.rtt_ms, r.repeat): r.tokens_per_s for r in rows if r.mode == mode}
-        rtts = sorted({t for _, t, _ in rate})
-        if len(rtts) < 2:
-            continue
-        near, far = rtts[0], rtts[-1]
-
-        def median(setting, rtt, rate=rate):
-            return statistics.median(v for (k, t, _), v in rate.items() if k == setting and t == rtt)
-
-        passes = sorted({p for _, _, p in rate})
-        by_pass = [
-            rate[(ADAPTIVE, far, p)] / rate[(ADAPTIVE, near, p)]
-            for p in passes
-            if (ADAPTIVE, far, p) in rate and (ADAPTIVE, near, p) in rate
-        ]
-        fixed = {k for k, t, _ in rate if k != ADAPTIVE and t == far} & {k for k, t, _ in rate if t == near}
-        out.append(
+def rtt_ratios(rows: list[dict]) -> list[dict]:
+    """A run's far_of_near (issue 29: 30 ms at least 0.9 of loopback): each point's settings' medians over
+    the passes, and the defaults' ratio pass by pass too (the same pass's rows at both RTTs; with
+    --rtts-together they took turns, so the machine's drift falls on both alike)."""
+    points = []
+    for (rtt, mode), rates in _by_point(rows, lambda r: r["tokens_per_s"]).items():
+        medians = {k: statistics.median(v) for k, v in rates.items()}
+        adaptive = medians.pop(ADAPTIVE)
+        points.append(
             {
                 "mode": mode,
-                "rtts_ms": [near, far],
-                "ratio": median(ADAPTIVE, far) / median(ADAPTIVE, near),
-                "by_pass": by_pass,
-                "fixed_ratio": statistics.median(median(k, far) / median(k, near) for k in fixed)
-                if fixed
-                else None,
+                "rtt_ms": rtt,
+                "adaptive_tokens_per_s": adaptive,
+                "adaptive_by_pass": rates[ADAPTIVE],  # one a pass, in pass order (_by_point)
+                "fixed_tokens_per_s": medians,
             }
         )
-    return out
+    return far_of_near(points)
 
 
 def over_the_set(adaptive_rates: list[float], fixed_rates: dict[tuple[int, int], list[float]]) -> dict:
@@ -293,23 +277,28 @@ def across(reports: dict[str, dict]) -> dict:
 
 def far_of_near(points: list[dict]) -> list[dict]:
     """The defaults' tokens/s at each class and mode's longest RTT over its shortest (issue 29's goal:
-    30 ms at least 0.9 of loopback), beside the median of the fixed settings' same ratio: a run plays
-    its RTTs one after the other, so a machine that got slower or faster in between moves every row
-    alike, where a cost of the RTT the defaults fail to hide moves theirs only."""
+    30 ms at least 0.9 of loopback), beside the median of the fixed settings' same ratio: a run that
+    plays its RTTs one after the other (without --rtts-together) lets a machine that got slower or
+    faster in between move every row alike, where a cost of the RTT the defaults fail to hide moves
+    theirs only. Points that carry the defaults' figures pass by pass (`adaptive_by_pass`, a run's own)
+    give the ratio pass by pass too."""
     out = []
-    for key in dict.fromkeys((p["class"], p["mode"]) for p in points):
-        here = sorted((p for p in points if (p["class"], p["mode"]) == key), key=lambda p: p["rtt_ms"])
+    for key in dict.fromkeys((p.get("class"), p["mode"]) for p in points):
+        here = [p for p in points if (p.get("class"), p["mode"]) == key]
+        here.sort(key=lambda p: p["rtt_ms"])
         near, far = here[0], here[-1]
         if far["rtt_ms"] > near["rtt_ms"]:
-            out.append(
-                {
-                    "class": key[0],
-                    "mode": key[1],
-                    "rtts_ms": [near["rtt_ms"], far["rtt_ms"]],
-                    "ratio": far["adaptive_tokens_per_s"] / near["adaptive_tokens_per_s"],
-                    "fixed_ratio": _fixed_ratio(near, far),
-                }
-            )
+            ratio = {
+                "class": key[0],
+                "mode": key[1],
+                "rtts_ms": [near["rtt_ms"], far["rtt_ms"]],
+                "ratio": far["adaptive_tokens_per_s"] / near["adaptive_tokens_per_s"],
+                "fixed_ratio": _fixed_ratio(near, far),
+            }
+            if "adaptive_by_pass" in near and "adaptive_by_pass" in far:
+                pairs = zip(near["adaptive_by_pass"], far["adaptive_by_pass"], strict=False)
+                ratio["by_pass"] = [f / n for n, f in pairs]
+            out.append(ratio)
     return out
 
 
@@ -344,17 +333,19 @@ def _fixed_ratio(near: dict, far: dict) -> float | None:
 
 
 def _far_table(rows: list[dict]) -> list[str]:
+    """far_of_near's rows: a class column where they have classes (across runs), the defaults' ratio
+    pass by pass where they have it (a run's own)."""
     if not rows:
         return []
-    lines = [
-        "",
-        "| class | mode | RTT ms | defaults: longer RTT's tok/s over shorter's | fixed settings', median |",
-        "|---|---|---|---|---|",
-    ]
+    classes, passes = any(r.get("class") for r in rows), any(r.get("by_pass") for r in rows)
+    head = ["class"] * classes + ["mode", "RTT ms", "defaults: longer RTT's tok/s over shorter's"]
+    head += ["pass by pass"] * passes + ["fixed settings', median"]
+    lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        fixed = f"{r['fixed_ratio']:.2f}" if r.get("fixed_ratio") else ""
-        rtts = f"{r['rtts_ms'][1]:g} of {r['rtts_ms'][0]:g}"
-        lines.append(f"| {r['class']} | {r['mode']} | {rtts} | {r['ratio']:.2f} | {fixed} |")
+        cells = [r["class"]] * classes + [r["mode"], f"{r['rtts_ms'][1]:g} of {r['rtts_ms'][0]:g}"]
+        cells += [f"{r['ratio']:.2f}"] + [", ".join(f"{x:.2f}" for x in r.get("by_pass", []))] * passes
+        cells.append(f"{r['fixed_ratio']:.2f}" if r.get("fixed_ratio") else "")
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -436,7 +427,9 @@ def markdown(report: dict) -> str:
         cells += ["yes" if p["within"] else "no", f"{p['rank']} of {p['fixed_settings'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_set_table(report["overall"]), "", *_verdict(report["overall"])]
-    lines += _rtt_table(report.get("far_of_near", []), report.get("rtts_together", False))
+    if report.get("far_of_near"):
+        how = "took turns in each pass" if report.get("rtts_together") else "ran one after the other"
+        lines += ["", f"The RTTs' rows {how}.", *_far_table(report["far_of_near"])]
     lines += ["", *_paths(report["points"])]
     lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
     lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
@@ -447,26 +440,6 @@ def markdown(report: dict) -> str:
     bad = [k for k, ok in report["exact"].items() if not ok]
     lines.append("every output equals the target alone's" if not bad else f"outputs differing: {bad}")
     return "\n".join(lines)
-
-
-def _rtt_table(rows: list[dict], together: bool) -> list[str]:
-    if not rows:
-        return []
-    how = "took turns in each pass" if together else "ran one after the other"
-    lines = [
-        "",
-        f"The RTTs' rows {how}: the defaults' tok/s at the longer RTT over the shorter's, beside the "
-        "fixed settings' own ratio (median).",
-        "",
-        "| mode | RTT ms | defaults | pass by pass | fixed settings' |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        fixed = f"{r['fixed_ratio']:.2f}" if r.get("fixed_ratio") else ""
-        passes = ", ".join(f"{x:.2f}" for x in r["by_pass"])
-        rtts = f"{r['rtts_ms'][1]:g} of {r['rtts_ms'][0]:g}"
-        lines.append(f"| {r['mode']} | {rtts} | {r['ratio']:.2f} | {passes} | {fixed} |")
-    return lines
 
 
 MODEL_CHECK = "Model check: measured tokens/s over the tuner's prediction for the row's (last) setting"
