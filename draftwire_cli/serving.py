@@ -110,6 +110,8 @@ def numerics_line(engine) -> str:
     n = engine.numerics
     exact = "bit-exact" if n.exact else "not bit-exact (--no-bit-exact)"
     line = f"target {engine.info.target_id}: {n.dtype} on {n.device} with {n.kernels} kernels, {exact}"
+    if engine.padding:
+        line += f", small calls padded to {engine.padding} rows"
     if engine.passed_over:
         line += f" (passed over {'; '.join(engine.passed_over)})"
     return line

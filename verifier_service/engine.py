@@ -318,8 +318,8 @@ class TargetEngine:
             model.set_attn_implementation(ROWS_ATTENTION)
         except ValueError as e:  # a model without attention layers transformers can route (recurrent)
             raise UnsupportedModel(f"the verifier cannot run {model.config.model_type} models: {e}") from e
-        if invariant:
-            make_invariant(model)
+        # Invariant mode pads a small call's rows to the fastest minimum here (invariant.choose_padding).
+        self.padding = make_invariant(model) if invariant else None
         self.invariant = invariant
         self.model = model
         self.info = info

@@ -34,7 +34,9 @@ What this module puts in their place:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import statistics
+import time
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -47,15 +49,18 @@ from transformers.pytorch_utils import Conv1D
 # 1536-wide down projection changes at 130; the layout packed for 32 rows changes at 33). On an AMD EPYC
 # with AVX512-BF16 and no AMX, oneDNN's one-row kernel differs from its many-row one there (the 1536 -> 576
 # down projection), as in float32: padding a lone row to two is invariant on both CPUs, at any row hint.
-# Fewer than 4 rows are padded to 4, in both dtypes: inside the invariant range, so the same bits, and
-# faster, since oneDNN's kernel for 2 rows is slower than its kernel for 4 on these layouts (on an AMD
-# EPYC with AVX512-BF16, float32, one core: Qwen2.5-1.5B's 1536 -> 151936 lm_head 70 ms for 2 rows,
-# 50 ms for 4; the whole forward of 1 new position 584 ms padded to 2, 401 ms padded to 4, and of 2
-# positions 547 and 419 ms; docs/benchmarks.md, "Small forwards padded to 4 rows").
+# Fewer rows than a minimum are padded to it, inside the invariant range, so the same bits whichever
+# minimum: PADDINGS are the minimums tried, and `make_invariant` times a lone row through the model's
+# linear layers at each and keeps the faster (`choose_padding`). Which wins is the CPU's: on one AMD EPYC
+# with AVX512-BF16 (float32, one core, Qwen2.5-1.5B) oneDNN's 2-row kernel was the slower (a one-position
+# forward 584 ms padded to 2, 401 ms padded to 4), on another the faster (180 against 201 ms);
+# docs/benchmarks.md, "Small forwards padded to 4 rows" and "The padding timed at load". The policy's
+# minimum serves calls made outside a model put in invariant mode.
 ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
     torch.float32: (32, 4, 256),
     torch.bfloat16: (1, 4, 128),
 }
+PADDINGS = (2, 4)
 
 
 class NotInvariant(RuntimeError):
@@ -80,10 +85,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), hint)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int | None = None
+) -> torch.Tensor:
     """x @ weight.T + bias on a `pack_weight`ed weight; each row's result is the same whatever the other
-    rows and their number.  # x [..., in] -> [..., out]"""
-    _, min_rows, max_rows = ROW_POLICY[x.dtype]
+    rows and their number. A call of fewer than `min_rows` rows (default: the dtype's ROW_POLICY) runs
+    padded to that many.  # x [..., in] -> [..., out]"""
+    _, default_rows, max_rows = ROW_POLICY[x.dtype]
+    min_rows = min_rows or default_rows
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n = rows.shape[0]
     outs = []
@@ -103,12 +112,13 @@ class InvariantLinear(nn.Linear):
     must be rebuilt (`repack`) if the weight changes."""
 
     packed: torch.Tensor
+    min_rows: int | None = None  # set by make_invariant (choose_padding); None: ROW_POLICY's
 
     def repack(self) -> None:
         self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias)
+        return packed_linear(x, self.packed, self.bias, self.min_rows)
 
 
 class InvariantConv1D(Conv1D):
@@ -116,12 +126,13 @@ class InvariantConv1D(Conv1D):
     `packed_linear` on the transposed weight, swapped in like InvariantLinear."""
 
     packed: torch.Tensor
+    min_rows: int | None = None
 
     def repack(self) -> None:
         self.packed = pack_weight(self.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias)
+        return packed_linear(x, self.packed, self.bias, self.min_rows)
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:
@@ -133,13 +144,15 @@ def _shape(module: nn.Module) -> tuple[int, int]:
 _INVARIANT = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
 
 
-def make_invariant(model: nn.Module, check: bool = True) -> nn.Module:
+def make_invariant(model: nn.Module, check: bool = True, padding: int | None = None) -> int:
     """Puts a loaded transformers model (on CPU, already in its final dtype) into invariant mode: every
     plain nn.Linear (attention projections, MLP, lm_head) and transformers Conv1D (GPT-2's) runs
-    `packed_linear`. Attention is the caller's to route through `exact_attention`. Returns the model.
+    `packed_linear`, small calls padded to `padding` rows (None: whichever of PADDINGS is faster here,
+    timed). Attention is the caller's to route through `exact_attention`. Returns the padding.
 
     Raises ValueError for a dtype or device without kernels here; NotInvariant when `check` finds
-    oneDNN not row-invariant on this machine for the model's shapes (then the mode cannot be trusted).
+    oneDNN not row-invariant on this machine for the model's shapes at that padding (then the mode
+    cannot be trusted, and the model is left half converted: load it again).
     """
     kinds = {*_INVARIANT, *_INVARIANT.values()}
     linears = [m for m in model.modules() if type(m) in kinds]
@@ -148,19 +161,53 @@ def make_invariant(model: nn.Module, check: bool = True) -> nn.Module:
             raise ValueError(
                 f"invariant mode has no kernels for {module.weight.dtype} on {module.weight.device}"
             )
-    if check:
-        for dtype in {m.weight.dtype for m in linears}:
-            check_linear(dtype, {_shape(m) for m in linears if m.weight.dtype == dtype})
     for module in linears:
         module.__class__ = _INVARIANT.get(type(module), type(module))
         module.repack()
-    return model
+    padding = padding or choose_padding(time_paddings(linears))
+    set_padding(model, padding)
+    if check:
+        for dtype in {m.weight.dtype for m in linears}:
+            check_linear(dtype, {_shape(m) for m in linears if m.weight.dtype == dtype}, min_rows=padding)
+    return padding
 
 
-def check_linear(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], seed: int = 0) -> None:
-    """Raises NotInvariant unless `packed_linear` gives rows bitwise the same result alone as among
-    others, on random data, for each (in_features, out_features): every row count up to 65 and some up
-    to two chunks on small shapes, a few up to one chunk on large ones (an lm_head). About a second."""
+def set_padding(model: nn.Module, rows: int) -> None:
+    """Small calls of the model's invariant layers padded to `rows` from now on (one of PADDINGS: inside
+    the invariant range, so the same bits)."""
+    for module in model.modules():
+        if isinstance(module, (InvariantLinear, InvariantConv1D)):
+            module.min_rows = rows
+
+
+def time_paddings(linears: list[nn.Module], repeats: int = 3) -> dict[int, float]:
+    """Seconds of one row through every layer of `linears` (in invariant mode), per padding of PADDINGS:
+    the median of `repeats`, the paddings taking turns. A whole pass reads every weight, as a forward of
+    one position does (0.2-0.6 s for a 1.5B model in float32 on one core)."""
+    rows = {id(m): torch.zeros(1, _shape(m)[0], dtype=m.weight.dtype) for m in linears}
+    seconds: dict[int, list[float]] = {p: [] for p in PADDINGS}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for padding in PADDINGS:
+                start = time.perf_counter()
+                for m in linears:
+                    packed_linear(rows[id(m)], m.packed, None, padding)
+                seconds[padding].append(time.perf_counter() - start)
+    return {p: statistics.median(s) for p, s in seconds.items()}
+
+
+def choose_padding(seconds: Mapping[int, float]) -> int:
+    """The padding of the fastest lone-row pass (`time_paddings`); the larger on a tie."""
+    return min(seconds, key=lambda p: (seconds[p], -p))
+
+
+def check_linear(
+    dtype: torch.dtype, shapes: Iterable[tuple[int, int]], seed: int = 0, min_rows: int | None = None
+) -> None:
+    """Raises NotInvariant unless `packed_linear`, padding to `min_rows`, gives rows bitwise the same
+    result alone as among others, on random data, for each (in_features, out_features): every row count
+    up to 65 and some up to two chunks on small shapes, a few up to one chunk on large ones (an lm_head).
+    About a second."""
     _, _, max_rows = ROW_POLICY[dtype]
     few = [1, 2, 3, 5, 9, 17, 33, 65, max_rows]
     every = sorted(set(range(1, 66)) | {100, max_rows - 1, max_rows, max_rows + 1, 2 * max_rows + 1})
@@ -171,9 +218,11 @@ def check_linear(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], seed: in
         x = torch.randn(max(counts), fan_in, generator=generator).to(dtype)
         packed = pack_weight(weight)
         # Row i alone, for the first and last row of each count (all rows would cost seconds on an lm_head).
-        alone = {i: packed_linear(x[i : i + 1], packed) for i in {0} | {n - 1 for n in counts}}
+        alone = {
+            i: packed_linear(x[i : i + 1], packed, None, min_rows) for i in {0} | {n - 1 for n in counts}
+        }
         for n in counts:
-            out = packed_linear(x[:n], packed)
+            out = packed_linear(x[:n], packed, None, min_rows)
             if not (torch.equal(out[:1], alone[0]) and torch.equal(out[n - 1 : n], alone[n - 1])):
                 raise NotInvariant(
                     f"oneDNN's {dtype} inner product is not row-invariant on this machine "

@@ -118,7 +118,7 @@ def _exact(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
 AttentionInterface.register("invariant_test_exact", _exact)
 
 
-def _tiny_llama(dtype, invariant_mode: bool) -> LlamaForCausalLM:
+def _tiny_llama(dtype, invariant_mode: bool, padding: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=512,
@@ -132,7 +132,7 @@ def _tiny_llama(dtype, invariant_mode: bool) -> LlamaForCausalLM:
     )
     model = LlamaForCausalLM(config).to(dtype).eval()
     if invariant_mode:
-        make_invariant(model, check=False)  # check_linear has a test of its own
+        make_invariant(model, check=False, padding=padding)  # check_linear has a test of its own
         model.set_attn_implementation("invariant_test_exact")
     return model
 
@@ -162,6 +162,42 @@ def test_tiny_llama_logits_equal_one_position_forwards(dtype, width):
     ids = [(37 * i + 11) % 512 for i in range(60)]
     one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, width)
     assert torch.equal(one, rounds)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("min_rows", invariant.PADDINGS)
+def test_check_linear_passes_at_every_padding_tried(dtype, min_rows):
+    """Each minimum make_invariant may choose is inside the invariant range, checked as at load."""
+    invariant.check_linear(dtype, [(96, 160), (1536, 576)], min_rows=min_rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_paddings_give_the_same_bits_and_the_load_keeps_the_faster(dtype):
+    """The padding is a speed choice only: the tiny model's logits are the same bits at every padding
+    tried, in rounds as one position at a time. make_invariant times them and keeps one of them on
+    every layer; choose_padding keeps the faster (the larger on a tie), whichever it is on a CPU."""
+    ids = [(37 * i + 11) % 512 for i in range(30)]
+    runs = []
+    for padding in invariant.PADDINGS:
+        model = _tiny_llama(dtype, invariant_mode=True, padding=padding)
+        layers = [m for m in model.modules() if isinstance(m, invariant.InvariantLinear)]
+        assert layers and all(m.min_rows == padding for m in layers)
+        runs += _logits_one_at_a_time_and_in_rounds(model, ids, 9, 5)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    model = LlamaForCausalLM(_tiny_llama(dtype, invariant_mode=False).config).to(dtype).eval()
+    chosen = make_invariant(model)  # timed here, and checked at the padding chosen
+    assert chosen in invariant.PADDINGS
+    assert {m.min_rows for m in model.modules() if isinstance(m, invariant.InvariantLinear)} == {chosen}
+    assert invariant.choose_padding({2: 0.180, 4: 0.201}) == 2  # the EPYC of 2026-11-27's second VM
+    assert invariant.choose_padding({2: 0.584, 4: 0.401}) == 4  # the first one's
+    assert invariant.choose_padding({2: 0.2, 4: 0.2}) == 4
+
+
+def test_time_paddings_times_each_padding_tried():
+    model = _tiny_llama(torch.float32, invariant_mode=True)
+    layers = [m for m in model.modules() if isinstance(m, invariant.InvariantLinear)]
+    seconds = invariant.time_paddings(layers, repeats=1)
+    assert set(seconds) == set(invariant.PADDINGS) and all(s > 0 for s in seconds.values())
 
 
 def test_torch_float32_linear_is_not_row_invariant():

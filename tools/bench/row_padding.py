@@ -1,7 +1,7 @@
-"""Benchmark: invariant mode's padding of small forwards (verifier_service/invariant.py ROW_POLICY). One
+"""Benchmark: invariant mode's padding of small forwards (verifier_service/invariant.py PADDINGS). One
 session's round of n new positions over a cached prefix, its linear layers' calls padded to at least 2
-rows (the policy before) against at least 4 (now), taking turns within each repeat on one engine, and
-the logits of the two compared bit for bit.
+rows against at least 4, taking turns within each repeat on one engine, and the logits of the two
+compared bit for bit; beside them, the padding the engine chose at load (timed, choose_padding).
 
     python -m tools.bench.row_padding --target DIR [--dtype float32] [--held 40] [--repeats 8]
 
@@ -24,14 +24,12 @@ from verifier_service import invariant
 from verifier_service.engine import Forward, TargetEngine
 
 POSITIONS = (1, 2, 3, 4, 5, 7, 9)
-PADDINGS = (2, 4)
+PADDINGS = invariant.PADDINGS
 
 
 def measure(engine: TargetEngine, held: int, repeats: int) -> tuple[dict[int, dict[int, float]], bool]:
     """Median milliseconds per (positions, padding), and whether every round's logits were the same
     bits under both paddings."""
-    dtype = engine.model.dtype
-    policy = invariant.ROW_POLICY[dtype]
     rng = random.Random(0)
     vocab = engine.info.vocabulary.size
     engine.forward_many([Forward("s", 0, tuple(rng.randrange(100, vocab) for _ in range(held)), False)])
@@ -43,13 +41,13 @@ def measure(engine: TargetEngine, held: int, repeats: int) -> tuple[dict[int, di
                 tokens = tuple(rng.randrange(100, vocab) for _ in range(n))
                 logits = []
                 for padding in PADDINGS:
-                    invariant.ROW_POLICY[dtype] = (policy[0], padding, policy[2])
+                    invariant.set_padding(engine.model, padding)
                     start = time.perf_counter()
                     logits.append(engine.forward_many([Forward("s", held, tokens)])[0])
                     times[n][padding].append(time.perf_counter() - start)
                 same = same and torch.equal(*logits)
     finally:
-        invariant.ROW_POLICY[dtype] = policy
+        invariant.set_padding(engine.model, engine.padding)
     medians = {n: {p: 1000 * statistics.median(t) for p, t in row.items()} for n, row in times.items()}
     return medians, same
 
@@ -69,8 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     for n, row in medians.items():
         print(f"| {n} | {row[2]:.0f} | {row[4]:.0f} | {row[2] / row[4]:.2f} |")
     print("the logits under both paddings the same bits:", same)
+    print("the padding chosen at load:", engine.padding)
     if args.json:
-        figures = {"dtype": args.dtype, "held": args.held, "ms": medians, "same": same}
+        figures = {
+            "dtype": args.dtype,
+            "held": args.held,
+            "ms": medians,
+            "same": same,
+            "chosen": engine.padding,
+        }
         args.json.write_text(json.dumps(figures))
     return 0 if same else 1
 
