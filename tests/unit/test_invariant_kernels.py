@@ -184,7 +184,7 @@ def test_the_paddings_give_the_same_bits_and_the_load_keeps_the_faster(dtype):
         assert layers and all(m.min_rows == padding for m in layers)
         runs += _logits_one_at_a_time_and_in_rounds(model, ids, 9, 5)
     assert all(torch.equal(runs[0], r) for r in runs[1:])
-    model = LlamaForCausalLM(_tiny_llama(dtype, invariant_mode=False).config).to(dtype).eval()
+    model = _tiny_llama(dtype, invariant_mode=False)
     chosen = make_invariant(model)  # timed here, and checked at the padding chosen
     assert chosen in invariant.PADDINGS
     assert {m.min_rows for m in model.modules() if isinstance(m, invariant.InvariantLinear)} == {chosen}
