@@ -3,13 +3,15 @@ figure at a point is its median over the passes, the adaptive row is compared wi
 setting pass by pass, and the fixed rows' spread is reported. Hand-made rows; the bench's real run is
 tests/system/test_bench_adaptive.py."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from edge_client.adaptive import path_rounds
+from edge_client.adaptive import Tuner, path_rounds, tokens_per_second
 from tools.bench.adaptive import across, across_markdown, far_of_near, markdown, summarize
 from tools.bench.arms import BenchConfig, Row
+from tools.bench.speed import model_at_own_acceptance, rate_of_acceptance, tuner_view
 
 OUT = [[1, 2, 3]]
 
@@ -165,3 +167,30 @@ def test_the_longer_rtts_figures_over_loopbacks_pass_by_pass_beside_the_fixed_se
     table = markdown(report)
     assert "took turns in each pass" in table
     assert "| greedy | 30 of 0 | 0.90 | 0.90, 0.95, 0.90 | 0.80 |" in table
+
+
+@pytest.mark.parametrize("alpha, gamma", [(0.8, 4), (0.35, 2), (0.97, 6)])
+def test_the_rate_of_an_acceptance_accepts_it_on_average(alpha, gamma):
+    acceptance = sum(alpha**k for k in range(1, gamma + 1)) / gamma
+    assert rate_of_acceptance(acceptance, gamma) == pytest.approx(alpha, abs=1e-6)
+
+
+def test_the_model_at_a_rows_own_acceptance_reads_back_the_tuners_costs():
+    """A bench row's JSON keeps what its tuner held (tuner_view); the model rebuilt from it, at the row's
+    acceptance as one rate at every position, is the tuner's own model at that rate; the adaptive row's
+    setting is where its path ended."""
+    tuner = Tuner()
+    figures = [(4, False, 0.09, 0.21), (4, True, 0.11, 0.24), (6, True, 0.15, 0.3)]
+    for gamma, ahead, draft_s, verify_s in figures:
+        tuner.observe_draft(gamma + ahead, draft_s, ahead=ahead)
+        tuner.observe_verify(gamma, verify_s, ahead=ahead)
+    tuner.observe_round(0.25, 0.21, queued=False)
+    acceptance, alpha = 0.5904, 0.8  # γ 4 at α 0.8
+    est = dataclasses.replace(tuner.estimates(), acceptance=(alpha,) * len(tuner.acceptance()))
+    fixed = {"tuner": tuner_view(tuner), "acceptance": acceptance, "tuner_rtt_ms": 1000 * tuner.rtt_s}
+    for setting in [(4, 0), (4, 2)]:
+        row = {**fixed, "gamma": setting[0], "pipeline": setting[1]}
+        assert model_at_own_acceptance(row) == pytest.approx(tokens_per_second(est, *setting), rel=1e-3)
+    adaptive = {**fixed, "gamma": 0, "pipeline": -1, "tuner_path": [[4, 2, 5], [4, 0, 9]]}
+    assert model_at_own_acceptance(adaptive) == pytest.approx(tokens_per_second(est, 4, 0), rel=1e-3)
+    assert model_at_own_acceptance({**fixed, "tuner": None, "gamma": 4, "pipeline": 0}) is None

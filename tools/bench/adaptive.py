@@ -39,7 +39,7 @@ from edge_client.adaptive import Tuner
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.arms import BenchConfig, Row, add_pair_flags, params_for, route
-from tools.bench.speed import RowRun, add_bound
+from tools.bench.speed import RowRun, add_bound, model_at_own_acceptance
 from tools.rig import devices
 
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
@@ -432,6 +432,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"The RTTs' rows {how}.", *_far_table(report["far_of_near"])]
     lines += ["", *_paths(report["points"])]
     lines += ["", *ratio_table(report["rows"], "model_tokens_per_s", MODEL_CHECK)]
+    own = [{**r, "model_own_tokens_per_s": model_at_own_acceptance(r)} for r in report["rows"]]
+    lines += ["", *ratio_table(own, "model_own_tokens_per_s", MODEL_OWN_CHECK)]
     lines += ["", *ratio_table(report["rows"], "bound_tokens_per_s", BOUND_CHECK)]
     reused = [r.get("reused_positions", 0) for r in report["rows"]]
     lines.append(
@@ -443,6 +445,10 @@ def markdown(report: dict) -> str:
 
 
 MODEL_CHECK = "Model check: measured tokens/s over the tuner's prediction for the row's (last) setting"
+MODEL_OWN_CHECK = (
+    "The same at the row's own acceptance (the tuner's costs as it ended, the row's acceptance over all "
+    "its rounds as one rate at every position: tools.bench.speed.model_at_own_acceptance)"
+)
 BOUND_CHECK = (
     "Bound check: measured tokens/s over the zero-overhead bound of the row's own measured drafting, "
     "verification and restarts (tools.bench.speed.zero_overhead_bound)"

@@ -22,7 +22,7 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from edge_client.adaptive import path_rounds, tokens_per_second
+from edge_client.adaptive import Costs, Estimates, path_rounds, tokens_per_second
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.bench.arms import BenchConfig, Row, params_for, route
@@ -205,6 +205,52 @@ def tuner_view(tuner) -> dict:
         "in_turn": view(est, tuner.draft, tuner.verify),
         "ahead": view(est.costs(ahead=True), tuner.draft_ahead, tuner.verify_ahead),
     }
+
+
+def model_at_own_acceptance(row: dict) -> float | None:
+    """The tuner's model for a row's (last) setting from a bench's JSON row: the costs its tuner ended
+    with (tuner_view), but the row's own acceptance over all its rounds, as the same rate at every
+    position, in place of the tuner's, which follows the last prompt. The tuner's check (the row's
+    model_tokens_per_s) then reads the model against the row, not the last prompt against the row: a
+    chat point's last prompt, its easiest, put every row of it 0.79-0.98 there (docs/benchmarks.md).
+    None where the row has no tuner, no acceptance or no γ."""
+    view, acceptance = row.get("tuner"), row.get("acceptance")
+    gamma, depth = row["gamma"], row["pipeline"]
+    if depth == -1:  # adaptive: where its path ended
+        gamma, depth = (row.get("tuner_path") or [[0, 0, 0]])[-1][:2]
+    if not view or not acceptance or not gamma:
+        return None
+
+    def costs(side: dict) -> dict:
+        return dict(
+            draft_fixed_s=side["draft_line_ms"][0] / 1000,
+            draft_token_s=side["draft_line_ms"][1] / 1000,
+            verify_fixed_s=side["verify_line_ms"][0] / 1000,
+            verify_position_s=side["verify_line_ms"][1] / 1000,
+            verify_measured={int(n): ms / 1000 for n, ms in side["verify_estimate_ms"].items()},
+        )
+
+    alpha = rate_of_acceptance(acceptance, gamma)
+    est = Estimates(
+        **costs(view["in_turn"]),
+        acceptance=(alpha,) * len(view["acceptance"]),
+        rtt_s=(row.get("tuner_rtt_ms") or 0.0) / 1000,
+        ahead=Costs(**costs(view["ahead"])),
+    )
+    return tokens_per_second(est, gamma, depth)
+
+
+def rate_of_acceptance(acceptance: float, gamma: int) -> float:
+    """The per-position rate α that accepts `acceptance` of γ draft tokens on average when each is
+    accepted with probability α after the ones before it: Σ_{k=1..γ} α^k / γ = acceptance."""
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        alpha = (low + high) / 2
+        if sum(alpha**k for k in range(1, gamma + 1)) / gamma < acceptance:
+            low = alpha
+        else:
+            high = alpha
+    return (low + high) / 2
 
 
 async def run_all(config: BenchConfig, log=print) -> dict:
