@@ -135,3 +135,58 @@ class CostLine:
             own = spread / (spread + self.noise / figures[n]) if spread > 0 else 0.0
             estimates[n] = on_line[n] * (1 + own * distance[n])
         return estimates
+
+
+class BesideFit:
+    """How much a forward costs more for the drafter drafting beside it: per size (positions), the
+    seconds of a forward against the share of it spent beside drafting (0 in turn, 1 all through),
+    s = V + share · G, by exponentially weighted least squares (weight `smoothing` for a new figure).
+
+    G at a size is its own slope where its shares spread enough to tell (forwards in turn and beside,
+    or beside one draft and beside several); elsewhere the pooled slowdown G / V over the sizes that
+    tell, each weighted by how well it does, shrunk towards `prior` (worth `prior_weight` such sizes):
+    where every forward runs beside about the same share, as at a fixed depth, the two ends cannot be
+    told apart, and the prior says how far apart they are."""
+
+    MIN_SPREAD = 0.01  # variance of a size's shares below which it does not tell its own slope
+
+    def __init__(self, smoothing: float, prior: float, prior_weight: float = 1.0):
+        self.smoothing, self.prior, self.prior_weight = smoothing, prior, prior_weight
+        self._sums: dict[int, list[float]] = {}  # size -> weighted [n, Σ share, Σ s, Σ share², Σ share·s]
+
+    def observe(self, size: int, share: float, seconds: float) -> None:
+        keep = 1 - self.smoothing
+        sums = [keep * x for x in self._sums.get(size, [0.0] * 5)]
+        for i, x in enumerate((1.0, share, seconds, share * share, share * seconds)):
+            sums[i] += x
+        self._sums[size] = sums
+
+    def _fit(self, size: int) -> tuple[float, float, float] | None:
+        """(intercept, slope, weight: Σ w · variance of the shares) at `size`, where its shares spread."""
+        sums = self._sums.get(size)
+        if sums is None:
+            return None
+        n, share, seconds, square, product = sums
+        spread = square / n - (share / n) ** 2
+        if spread < self.MIN_SPREAD:
+            return None
+        slope = (product / n - share * seconds / n**2) / spread
+        return seconds / n - slope * share / n, slope, n * spread
+
+    def slowdown(self) -> float:
+        """G / V pooled over the sizes that tell, shrunk towards the prior; at least 0."""
+        told = [fit for fit in map(self._fit, self._sums) if fit and fit[0] > 0]
+        weight = self.prior_weight + sum(w for _, _, w in told)
+        pooled = self.prior * self.prior_weight + sum(w * slope / intercept for intercept, slope, w in told)
+        return max(0.0, pooled / weight)
+
+    def gap(self, size: int, level: float) -> float:
+        """G at `size`, seconds, at least 0: the pooled slowdown times `level` (the forward's cost in turn
+        there), and where the size's own shares spread, its own slope, each as far as its figures tell
+        (the size's own shrunk towards the pooled as a line's sizes are: CostLine)."""
+        pooled = self.slowdown() * level
+        fit = self._fit(size)
+        if fit is None:
+            return pooled
+        _, slope, weight = fit
+        return max(0.0, (weight * slope + self.prior_weight * pooled) / (weight + self.prior_weight))

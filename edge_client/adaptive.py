@@ -13,7 +13,9 @@ counts `acceptance_smoothing`):
           size seen its own figures shrunk towards the line (a forward's cost need not grow with its
           positions). Each kept twice: in turn (depth 0) and side by side (the drafter drafting while
           the proposal is verified), since two processes sharing a machine's memory bandwidth slow
-          each other: 5-15 % on the two-core rig's verifier (docs/benchmarks.md).
+          each other: 5-30 % on the two-core rig's verifier (docs/benchmarks.md). A forward is told
+          with the share of it the drafter spent drafting (the planner times both), and counts at the
+          nearer of the two: V at share s is V + s·(V_beside - V).
   R       round trip: send to the verdict's arrival (not to when the edge, busy drafting, reads it),
           less the verify time. Only a proposal sent with nothing in flight measures it; one queued
           behind others only bounds it from above.
@@ -25,7 +27,9 @@ The model, for γ draft tokens a proposal and depth d (proposals sent ahead of t
   L(γ)   = D(γ) + R + V(γ+1)               a round from committed tokens: draft, wire, verify
   d = 0:  tokens/s = E / L
   d ≥ 1:  τ = max(D(γ+1), V(γ+1), (D(γ+1) + R + V(γ+1)) / (d+1))  a verdict's period while live
-          (the draft, the verifier, or d+1 proposals cycling through one round trip)
+          (the draft, the verifier, or d+1 proposals cycling through one round trip), V at the share
+          min(1, D(γ+1) / V(γ+1)) side by side (one draft a verdict), and the restart's at
+          min(1, d·D(γ+1) / V(γ+1)) (d drafts back to back after its send)
           tokens/s = E / ((1-q)·(L + b) + q·τ)
           (a run restarts from committed tokens with probability 1-q, after the drafter finishes the
           now-stale draft under way: b. The drafter drafts back to back after a send, and a verdict
@@ -66,13 +70,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from draftwire.speculation import AcceptanceCounts, CostLine, expected_tokens
+from draftwire.speculation import AcceptanceCounts, BesideFit, CostLine, expected_tokens
 
 __all__ = [
     "CostLine",
     "Costs",
     "Estimates",
     "Tuner",
+    "beside_share",
+    "best_setting",
     "TunerConfig",
     "expected_tokens",
     "off_tokens_per_second",
@@ -101,6 +107,8 @@ class TunerConfig:
     explore_margin: float = 0.1
     fixed_share_draft: float = 0.1  # share of a drafter call not growing with its tokens, until fitted
     fixed_share_verify: float = 0.5  # share of a forward not growing with its positions, until fitted
+    beside_prior: float = 0.15  # a forward beside drafting all through costs this share more, until told
+    beside_smoothing: float = 0.03  # weight of a new forward in the fit of that share (BesideFit)
     plain: bool = True  # adaptive γ may turn speculation off (plain steps) where it does not pay
     off_window: int = 16  # speculative rounds since the last move before speculation may turn off
     off_margin: float = 0.1  # plain steps must promise this share more than the best speculative setting
@@ -166,10 +174,12 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     if depth == 0:
         fresh = est.draft(gamma) + est.rtt_s + est.verify(gamma)
         return tokens / fresh if fresh > 0 else float("inf")
-    # Pipelined, the drafter drafts while the verifier verifies: both at their costs side by side.
-    verify = est.verify(gamma, ahead=True)
-    fresh = est.draft(gamma) + est.rtt_s + verify  # a restart drafts with nothing in flight
+    # Pipelined, the drafter drafts while the verifier verifies, each slowed while the other runs: a
+    # forward in proportion to the share of it spent beside drafting (beside_share).
     ahead = est.draft(gamma + 1, ahead=True)  # a pipelined proposal drafts the guessed bonus and γ tokens
+    turn = est.verify(gamma)
+    verify = _verify_beside(est, gamma, beside_share(ahead, turn, 1))
+    fresh = est.draft(gamma) + est.rtt_s + _verify_beside(est, gamma, beside_share(ahead, turn, depth))
     period = max(ahead, verify, (ahead + est.rtt_s + verify) / (depth + 1))
     live = 1.0
     for i in range(gamma + 1):
@@ -180,6 +190,20 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     busy = _busy(ahead, est.rtt_s + verify, depth) * (1.0 if period <= ahead else 1 - live)
     cost = (1 - live) * (fresh + busy) + live * period
     return tokens / cost if cost > 0 else float("inf")
+
+
+def beside_share(draft_s: float, verify_s: float, drafts: int) -> float:
+    """The share of a forward of `verify_s` spent beside the drafter when it drafts `drafts` proposals of
+    `draft_s` each meanwhile: one a verdict while a pipelined run lives (a verdict frees the slot the
+    next draft fills), `depth` back to back after a restart's send."""
+    return min(1.0, drafts * draft_s / verify_s) if verify_s > 0 else 1.0
+
+
+def _verify_beside(est: Estimates, gamma: int, share: float) -> float:
+    """V(γ + 1) with the drafter drafting through `share` of it: between the costs in turn and side by
+    side all through (Tuner.observe_verify)."""
+    turn = est.verify(gamma)
+    return turn + share * (est.verify(gamma, ahead=True) - turn)
 
 
 def _costs(draft: CostLine, verify: CostLine, verify_measured: Mapping[int, float]) -> Costs:
@@ -303,6 +327,8 @@ class Tuner:
         self.verify = CostLine(c.smoothing, c.fixed_share_verify)
         self.draft_ahead = CostLine(c.smoothing, c.fixed_share_draft)
         self.verify_ahead = CostLine(c.smoothing, c.fixed_share_verify)
+        self.beside = BesideFit(c.beside_smoothing, c.beside_prior)  # how a forward grows beside drafting
+        self.turn_forwards = 0  # forwards seen with no drafting beside them
         self._last_move = 0
         self._probe_after = self.config.probe_after
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
@@ -365,11 +391,25 @@ class Tuner:
         it builds on was in flight (pipelined), so beside the verifier's forward."""
         (self.draft_ahead if ahead else self.draft).observe(tokens, seconds)
 
-    def observe_verify(self, draft_tokens: int, seconds: float, ahead: bool = False) -> None:
+    def observe_verify(self, draft_tokens: int, seconds: float, beside: float = 0.0) -> None:
         """The verifier's forward for a proposal of `draft_tokens` (over draft_tokens + 1 positions);
-        `ahead`: the drafter drafted while it was in flight (pipelined)."""
-        if seconds > 0:
-            (self.verify_ahead if ahead else self.verify).observe(draft_tokens + 1, seconds)
+        `beside`: the share of it the drafter spent drafting (pipelined), 0 in turn. The costs are kept
+        at the two ends, in turn and beside drafting all through, and a forward beside a share of
+        drafting tells both, moved to each by the gap between them (BesideFit): pipelined, a forward
+        beside one short draft costs about what one in turn does, and one beside drafts all through,
+        as at the pipeline's start, up to 1.3 times as much (docs/benchmarks.md)."""
+        if seconds <= 0:
+            return
+        positions = draft_tokens + 1
+        self.beside.observe(positions, beside, seconds)
+        if beside <= 0:
+            self.turn_forwards += 1
+            self.verify.observe(positions, seconds)
+            return
+        level = self.verify(positions) if self.verify.seen else seconds / (1 + beside * self.beside.prior)
+        gap = self.beside.gap(positions, level)
+        self.verify.observe(positions, max(seconds - beside * gap, seconds / 2))
+        self.verify_ahead.observe(positions, seconds + (1 - beside) * gap)
 
     def step_s(self) -> float:
         """V(1), the target's one-step time as measured (0 before any forward)."""
@@ -482,7 +522,7 @@ class Tuner:
                 # other setting takes over with no margin to beat.
                 others = [(g, d) for g in step for d in depths if (g, d) != current]
                 target, staying = max(others, key=lambda s: tokens_per_second(est, *s)), 0.0
-            elif not self.verify.seen and current[1] > 0 and depths[0] == 0:  # depth 0 never measured
+            elif not self.turn_forwards and current[1] > 0 and depths[0] == 0:  # none seen in turn
                 in_turn = best_setting(est, step, range(0, 1))
                 if tokens_per_second(est, *in_turn) >= (1 - c.explore_margin) * staying:
                     target, staying, self._trial = in_turn, 0.0, current

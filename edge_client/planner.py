@@ -210,6 +210,9 @@ class Planner:
         self._blocked = -1  # a base length whose guess was a stop token: wait for verdicts there
         self._first_draft = True  # the stream's first drafter call, which also feeds it the prompt
         self._answered = False  # a verdict came back on this stream
+        # (start, end) of recent drafter calls on the transport's clock, while it says when (add_draft's
+        # `now`): how much of each forward the drafter spent drafting beside it (apply).
+        self._drafting: collections.deque[tuple[float, float]] = collections.deque()
         self._rounds = itertools.count(1)
 
     @property
@@ -253,13 +256,18 @@ class Planner:
         self.stats.speculation, self.stats.speculation_reason = self.tuner.state, self.tuner.reason
         return chosen
 
-    def add_draft(self, job: DraftJob, tokens: list[int], seconds: float | None = None) -> None:
+    def add_draft(
+        self, job: DraftJob, tokens: list[int], seconds: float | None = None, now: float | None = None
+    ) -> None:
         """Takes the drafter's tokens for `job`; a guess that is a stop token is not sent (nothing
         follows a stop), and the planner waits for verdicts at that base instead.
 
         `seconds`: how long the drafter took, for the tuner; the first call is not counted, as it also
         fed the drafter the prompt (or a resume's committed tokens), a prefill that would teach the tuner
-        that drafts cost the same whatever their length."""
+        that drafts cost the same whatever their length. `now`: when the drafter finished, on the clock
+        that apply's `arrived` uses."""
+        if seconds is not None and now is not None:
+            self._drafting.append((now - seconds, now))
         if job.gamma == 0:  # a plain step: the drafter's next call catches up on what it did not see
             self._first_draft = True
             self.drafted = InFlight(list(job.base), [], [], self._final(job.base, []))
@@ -311,7 +319,8 @@ class Planner:
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
         check_logprobs(verdict, len(new), self.request.top_logprobs, self.vocab_size)
         self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
-        self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds, ahead=sent.ahead)
+        beside = self._beside(sent, verdict.verify_seconds, arrived)
+        self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds, beside)
         self.stats.step_s = self.tuner.step_s()
         if arrived is not None and sent.sent_s is not None:
             self.stats.round_s.append(arrived - sent.sent_s)
@@ -337,6 +346,19 @@ class Planner:
         self.stats.batched_with += verdict.batch_size
         self.finished = verdict.finish is not None
         return new
+
+    def _beside(self, sent: InFlight, verify_s: float, arrived: float | None) -> float:
+        """The share of a verdict's forward the drafter spent drafting: the drafter calls that overlap
+        the forward, placed at the verdict's arrival less half the round trip. Without the times, 1 for
+        a proposal the drafter drafted beside (InFlight.ahead), else 0."""
+        if arrived is None or not self._drafting or verify_s <= 0:
+            return 1.0 if sent.ahead else 0.0
+        end = arrived - (self.tuner.rtt_s or 0.0) / 2
+        start = end - verify_s
+        while self._drafting and self._drafting[0][1] <= start:  # forwards end in order: none needs it
+            self._drafting.popleft()
+        busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._drafting)
+        return min(1.0, busy / verify_s)
 
     def _final(self, prefix: list[int], draft: list[int]) -> bool:
         """Whether the proposal's verdict may finish the session (budget or a stop token)."""

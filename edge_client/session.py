@@ -277,7 +277,7 @@ class EdgeSession:
                             break
                         drafted_s = stats.draft_s
                         tokens = await self._draft(job, request, plan.stops, stats)
-                        plan.add_draft(job, tokens, stats.draft_s - drafted_s)
+                        plan.add_draft(job, tokens, stats.draft_s - drafted_s, time.perf_counter())
                         continue
                     # ...else wait for the oldest proposal's verdict.
                     if not plan.in_flight:

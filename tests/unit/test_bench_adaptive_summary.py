@@ -183,7 +183,7 @@ def test_the_model_at_a_rows_own_acceptance_reads_back_the_tuners_costs():
     figures = [(4, False, 0.09, 0.21), (4, True, 0.11, 0.24), (6, True, 0.15, 0.3)]
     for gamma, ahead, draft_s, verify_s in figures:
         tuner.observe_draft(gamma + ahead, draft_s, ahead=ahead)
-        tuner.observe_verify(gamma, verify_s, ahead=ahead)
+        tuner.observe_verify(gamma, verify_s, beside=float(ahead))
     tuner.observe_round(0.25, 0.21, queued=False)
     acceptance, alpha = 0.5904, 0.8  # γ 4 at α 0.8
     est = dataclasses.replace(tuner.estimates(), acceptance=(alpha,) * len(tuner.acceptance()))

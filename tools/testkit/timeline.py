@@ -32,8 +32,10 @@ class Costs:
     verify_position: float
     rtt: float
     jitter: float = 0.0
-    # A forward sent while pipelining (depth > 0) and a draft made ahead of a verdict cost this much more:
-    # the drafter and the verifier sharing one machine's memory bandwidth (1.05-1.2 on the two-core rig).
+    # A forward runs this many times slower while the drafter drafts beside it (so costs this much more
+    # where it runs beside drafting all through), and a draft made ahead of a verdict costs this much
+    # more: the drafter and the verifier sharing one machine's memory bandwidth (1.05-1.3 on the two-core
+    # rig).
     beside: float = 1.0
 
 
@@ -72,22 +74,21 @@ def tokens_per_second(
         MistakenDrafter(wrong),
     )
     now = server_free = 0.0
-    coming: list[tuple[float, Verdict]] = []  # (arrival at the edge, verdict), in order
+    coming: list[_Coming] = []  # in order of arrival at the edge
     while not plan.finished:
-        if coming and coming[0][0] <= now:
-            arrived, verdict = coming.pop(0)
-            plan.apply(verdict, arrived)  # timed at its arrival, as EdgeSession's inbox does
+        if coming and coming[0].arrival <= now:
+            arrived = coming.pop(0)
+            plan.apply(arrived.verdict, arrived.arrival)  # timed at its arrival, as EdgeSession's inbox does
         elif (proposal := plan.next_proposal(now)) is not None:
             verdict = verifier.answer(proposal)
             forward = 0.0
             if not verdict.stale:
                 positions = len(proposal.draft_token_ids) + 1
                 forward = scaled(costs.verify_fixed + costs.verify_position * positions)
-                depth = request.pipeline if request.pipeline is not None else plan.tuner.choice[1]
-                forward *= costs.beside if depth else 1.0
-            server_free = max(now + scaled(costs.rtt / 2), server_free) + forward
+            start = max(now + scaled(costs.rtt / 2), server_free)
+            server_free = start + forward
             verdict = dataclasses.replace(verdict, verify_seconds=forward)
-            coming.append((server_free + scaled(costs.rtt / 2), verdict))
+            coming.append(_Coming(server_free + scaled(costs.rtt / 2), verdict, start, server_free))
         elif (job := plan.next_draft()) is not None and job.handoff:
             generated = plan.committed[len(prompt) :]
             for _ in range(job.handoff):  # the verifier decodes alone: the fake target's own tokens
@@ -108,8 +109,34 @@ def tokens_per_second(
             # A plain step (γ 0) calls no drafter (EdgeSession._draft).
             seconds = scaled(costs.draft_fixed + costs.draft_token * job.gamma) if job.gamma else 0.0
             seconds *= costs.beside if job.assumes else 1.0
+            server_free += _slow_beside(coming, now, now + seconds, 1 - 1 / costs.beside)
             now += seconds
-            plan.add_draft(job, drafted, seconds)
+            plan.add_draft(job, drafted, seconds, now)
         else:
-            now = max(now, coming[0][0])
+            now = max(now, coming[0].arrival)
     return plan.stats.generated_tokens / now
+
+
+@dataclass
+class _Coming:
+    """A verdict on its way: its forward on the verifier from `start` to `end`, then the wire."""
+
+    arrival: float
+    verdict: Verdict
+    start: float
+    end: float
+
+
+def _slow_beside(coming: list[_Coming], start: float, end: float, slowdown: float) -> float:
+    """Drafting from `start` to `end` costs the forwards it overlaps `slowdown` of the overlap (the work
+    a slower forward did not do meanwhile), and delays every later one as much; returns the verifier's
+    total delay."""
+    delay = 0.0
+    for c in coming:
+        c.start += delay  # a stale proposal's answer takes no forward: it overlaps nothing, but waits
+        extra = slowdown * max(0.0, min(end, c.end + delay) - max(start, c.start))
+        c.end += delay + extra
+        c.arrival += delay + extra
+        c.verdict = dataclasses.replace(c.verdict, verify_seconds=c.verdict.verify_seconds + extra)
+        delay += extra
+    return delay
