@@ -14,8 +14,9 @@ counts `acceptance_smoothing`):
           positions). Each kept twice: in turn (depth 0) and side by side (the drafter drafting while
           the proposal is verified), since two processes sharing a machine's memory bandwidth slow
           each other: 5-30 % on the two-core rig's verifier (docs/benchmarks.md). A forward is told
-          with the share of it the drafter spent drafting (the planner times both), and counts at the
-          nearer of the two: V at share s is V + s·(V_beside - V).
+          with the share s of it the drafter spent drafting (the planner times both), and costs
+          V + s·(V_beside - V): each size's forwards are fitted against their shares (BesideFit), and
+          each tells both ends, moved to each by the fitted gap.
   R       round trip: send to the verdict's arrival (not to when the edge, busy drafting, reads it),
           less the verify time. Only a proposal sent with nothing in flight measures it; one queued
           behind others only bounds it from above.
@@ -77,9 +78,9 @@ __all__ = [
     "Costs",
     "Estimates",
     "Tuner",
+    "TunerConfig",
     "beside_share",
     "best_setting",
-    "TunerConfig",
     "expected_tokens",
     "off_tokens_per_second",
     "path_rounds",
@@ -195,7 +196,7 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
 def beside_share(draft_s: float, verify_s: float, drafts: int) -> float:
     """The share of a forward of `verify_s` spent beside the drafter when it drafts `drafts` proposals of
     `draft_s` each meanwhile: one a verdict while a pipelined run lives (a verdict frees the slot the
-    next draft fills), `depth` back to back after a restart's send."""
+    next draft fills), the depth's worth back to back after a restart's send."""
     return min(1.0, drafts * draft_s / verify_s) if verify_s > 0 else 1.0
 
 
