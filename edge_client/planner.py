@@ -212,7 +212,7 @@ class Planner:
         self._answered = False  # a verdict came back on this stream
         # (start, end) of recent drafter calls on the transport's clock, while it says when (add_draft's
         # `now`): how much of each forward the drafter spent drafting beside it (apply).
-        self._drafting: collections.deque[tuple[float, float]] = collections.deque()
+        self._drafting: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
         self._rounds = itertools.count(1)
 
     @property

@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from draftwire.contract import ModelInfo
+from draftwire.speculation import BesideFit
 from edge_client.adaptive import (
     CostLine,
     Costs,
@@ -121,6 +122,23 @@ def test_a_noisy_line_is_estimated_as_the_line_through_all_sizes():
     fixed, slope = noisy.line()
     for positions in range(2, 10):
         assert noisy(positions) == pytest.approx(fixed + slope * positions, rel=0.01)
+
+
+def test_a_forwards_growth_beside_drafting_is_fitted_where_its_shares_spread():
+    """Forwards at 5 positions beside one draft (share about 0.5) and beside a restart's two (about 1),
+    costing 5 % noise about V (1 + 0.3 share): the fit finds the 30 %, and a size whose forwards all ran
+    beside the same share borrows it (the pooled slowdown times its level), where alone it could not
+    tell; before any size tells, the prior."""
+    rng = random.Random(5)
+    fit = BesideFit(smoothing=0.03, prior=0.15)
+    assert fit.gap(5, 0.2) == pytest.approx(0.15 * 0.2)
+    for _ in range(200):
+        share = rng.choice((0.45, 0.5, 0.55, 0.95, 1.0))
+        fit.observe(5, share, 0.2 * (1 + 0.3 * share) * rng.uniform(0.95, 1.05))
+        fit.observe(7, 0.5, 0.25 * (1 + 0.3 * 0.5) * rng.uniform(0.95, 1.05))
+    assert fit.gap(5, 0.2) == pytest.approx(0.06, rel=0.2)
+    assert fit.slowdown() == pytest.approx(0.3, abs=0.06)
+    assert fit.gap(7, 0.25) == pytest.approx(fit.slowdown() * 0.25)
 
 
 # The Qwen pair's costs on the two-core rig, haiku-like (docs/benchmarks.md): a verify cost that dips at
