@@ -355,6 +355,10 @@ class Planner:
             return 1.0 if sent.ahead else 0.0
         end = arrived - (self.tuner.rtt_s or 0.0) / 2
         start = end - verify_s
+        if sent.sent_s is not None:
+            # Not before its proposal left: a round trip shorter than the estimate would otherwise lay
+            # the draft it was drafted in beside it (a depth-0 forward read as side by side).
+            start = max(start, sent.sent_s)
         while self._drafting and self._drafting[0][1] <= start:  # forwards end in order: none needs it
             self._drafting.popleft()
         busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._drafting)
