@@ -179,8 +179,8 @@ def tokens_per_second(est: Estimates, gamma: int, depth: int) -> float:
     # forward in proportion to the share of it spent beside drafting (beside_share).
     ahead = est.draft(gamma + 1, ahead=True)  # a pipelined proposal drafts the guessed bonus and γ tokens
     turn = est.verify(gamma)
-    verify = _verify_beside(est, gamma, beside_share(ahead, turn, 1))
-    fresh = est.draft(gamma) + est.rtt_s + _verify_beside(est, gamma, beside_share(ahead, turn, depth))
+    verify = _verify_beside(est, gamma, turn, beside_share(ahead, turn, 1))
+    fresh = est.draft(gamma) + est.rtt_s + _verify_beside(est, gamma, turn, beside_share(ahead, turn, depth))
     period = max(ahead, verify, (ahead + est.rtt_s + verify) / (depth + 1))
     live = 1.0
     for i in range(gamma + 1):
@@ -200,10 +200,9 @@ def beside_share(draft_s: float, verify_s: float, drafts: int) -> float:
     return min(1.0, drafts * draft_s / verify_s) if verify_s > 0 else 1.0
 
 
-def _verify_beside(est: Estimates, gamma: int, share: float) -> float:
-    """V(γ + 1) with the drafter drafting through `share` of it: between the costs in turn and side by
-    side all through (Tuner.observe_verify)."""
-    turn = est.verify(gamma)
+def _verify_beside(est: Estimates, gamma: int, turn: float, share: float) -> float:
+    """V(γ + 1) with the drafter drafting through `share` of it: between the costs in turn (`turn`,
+    est.verify(γ)) and side by side all through (Tuner.observe_verify)."""
     return turn + share * (est.verify(gamma, ahead=True) - turn)
 
 
@@ -220,6 +219,7 @@ def _costs(draft: CostLine, verify: CostLine, verify_measured: Mapping[int, floa
 
 
 PHASE_JITTER = 0.1
+SERVER_FIGURES = 1.0  # what the verifier's figure at a size weighs against this edge's own (_with_server)
 PATH_LENGTH = 256  # changes of choice a Tuner's path keeps
 
 
@@ -239,10 +239,16 @@ def _busy(draft_s: float, back_s: float, depth: int) -> float:
     return total / points
 
 
-def _with_server(table: dict[int, float], weights: Mapping[int, float], server: Mapping[int, float]) -> dict:
-    """`table` (V by positions, as measured, each size's figures in `weights`) completed at the sizes it
-    lacks from the verifier's `server` figures, scaled by the two's ratio at the sizes both have (1 where
-    none).
+def _with_server(table: dict[int, float], timed: Mapping[int, float], server: Mapping[int, float]) -> dict:
+    """`table` (V by positions, as measured; `timed`: each size's forwards, decayed by how long ago, as
+    Tuner keeps them) joined with the verifier's `server` figures, scaled by the two's ratio at the
+    sizes both have, weighted by `timed` (1 where none): the verifier's figure alone at a size the table
+    lacks, and where both have one, the two weighted by `timed` against SERVER_FIGURES. So the verifier
+    gives the shape and this edge's recent forwards the level, and a size this edge timed only long ago
+    leans on the verifier's figure at today's level instead of its own old one. Without that, a few
+    slow forwards at γ 4 at the start (1.8 times the cost seen later) held a tuner at γ 2 for good on
+    haiku, and three cheap forwards at 2 positions early on, against a slow stretch at 3, sent it to
+    γ 1 (docs/benchmarks.md).
 
     V(1), a plain step's, included: speculating, the edge times no forward of one position, and its own
     line through a size or two near γ + 1, with the guessed fixed share, put the 1.5B target's step at
@@ -254,8 +260,13 @@ def _with_server(table: dict[int, float], weights: Mapping[int, float], server: 
     common = [n for n in table if n in server]
     ratio = 1.0
     if common:
-        ratio = sum(weights[n] * table[n] for n in common) / sum(weights[n] * server[n] for n in common)
-    merged = {**{n: s * ratio for n, s in server.items()}, **table}
+        ratio = sum(timed[n] * table[n] for n in common) / sum(timed[n] * server[n] for n in common)
+    merged = {n: s * ratio for n, s in server.items()}
+    for n, own in table.items():
+        if n in merged:
+            w = timed[n]
+            own = (w * own + SERVER_FIGURES * merged[n]) / (w + SERVER_FIGURES)
+        merged[n] = own
     if 1 in merged and 1 not in table and len(merged) > 1:
         merged[1] = min(merged[1], *(s for n, s in merged.items() if n > 1))
     return merged
@@ -330,6 +341,9 @@ class Tuner:
         self.verify_ahead = CostLine(c.smoothing, c.fixed_share_verify)
         self.beside = BesideFit(c.beside_smoothing, c.beside_prior)  # how a forward grows beside drafting
         self.turn_forwards = 0  # forwards seen with no drafting beside them
+        # positions -> forwards timed there, each decayed by 1 - smoothing a forward since: how lately
+        # each size was timed, either way (_with_server)
+        self._timed: dict[int, float] = {}
         self._last_move = 0
         self._probe_after = self.config.probe_after
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
@@ -402,6 +416,9 @@ class Tuner:
         if seconds <= 0:
             return
         positions = draft_tokens + 1
+        keep = 1 - self.config.smoothing
+        self._timed = {n: keep * w for n, w in self._timed.items()}
+        self._timed[positions] = self._timed.get(positions, 0.0) + 1
         self.beside.observe(positions, beside, seconds)
         if beside <= 0:
             self.turn_forwards += 1
@@ -436,8 +453,9 @@ class Tuner:
         verified one way but not the other borrows that figure, scaled by the two ways' ratio at the sizes
         both measured (Tuner.choose tries depth 0 once where it might pay, so that both are measured). A
         size verified neither way takes the verifier's figure (observe_server_costs), scaled likewise by
-        the ratio of this tuner's figures to the verifier's at the sizes both have: the verifier gives
-        the shape, this edge's own measures the level (its rounds may run beside its drafter)."""
+        the ratio of this tuner's figures to the verifier's at the sizes both have, most those timed
+        lately: the verifier gives the shape, this edge's own measures the level (its rounds may run
+        beside its drafter); a size timed only long ago leans on the verifier's figure (_with_server)."""
         draft = self.draft if self.draft.seen else self.draft_ahead
         draft_ahead = self.draft_ahead if self.draft_ahead.seen else draft
         verify = self.verify if self.verify.seen else self.verify_ahead
@@ -450,14 +468,12 @@ class Tuner:
         if weights:
             ratio = sum(w * beside[n] for n, w in weights.items())
             ratio /= sum(w * in_turn[n] for n, w in weights.items())
-        turn_weights = {**beside_figures, **turn_figures}
-        beside_weights = {**turn_figures, **beside_figures}
         in_turn, beside = (
             {**{n: s / ratio for n, s in beside.items()}, **in_turn},
             {**{n: s * ratio for n, s in in_turn.items()}, **beside},
         )
-        in_turn = _with_server(in_turn, turn_weights, self._server_costs)
-        beside = _with_server(beside, beside_weights, self._server_costs)
+        in_turn = _with_server(in_turn, self._timed, self._server_costs)
+        beside = _with_server(beside, self._timed, self._server_costs)
         return Estimates(
             **vars(_costs(draft, verify, in_turn)),
             acceptance=self.acceptance(),

@@ -530,14 +530,39 @@ def test_the_verifiers_costs_give_the_shape_and_the_edges_own_figures_the_level(
     dip = Tuner()
     dip.observe_server_costs({1: 0.3, 2: 0.1, 3: 0.4})  # a size timed once, within noise: never a dip
     assert [dip.estimates().verify(g) for g in (0, 1, 2)] == pytest.approx([0.2, 0.2, 0.4])
-    # A plain step is never dearer than a round: here the scaling (1.67, from the edge's two sizes) puts
-    # the verifier's V(1) at 0.5, above the 2-position round the edge measured at 0.2 (0.21 as estimated).
+    # A plain step is never dearer than a round: here the scaling (1.72, from the edge's two sizes, the
+    # later weighing more) puts the verifier's V(1) at 0.52, above the 2-position round, which the edge
+    # timed once at 0.21 and the verifier's figure puts at 0.52 (0.37 the two together).
     mixed = Tuner()
     mixed.observe_verify(1, 0.2)
     mixed.observe_verify(3, 0.8)
     mixed.observe_server_costs({1: 0.3, 2: 0.3, 4: 0.3})
     est = mixed.estimates()
-    assert est.verify(0) == pytest.approx(est.verify(1)) and est.verify(1) < 0.25
+    assert est.verify(0) == pytest.approx(est.verify(1)) and 0.2 < est.verify(1) < 0.5
+
+
+def test_a_size_timed_long_ago_leans_on_the_verifiers_figure_at_todays_level():
+    """Four slow forwards at 5 positions at the start (1.8 times what the verifier's figures say), then
+    60 at 3 positions at the verifier's level: V(5) comes back to about the verifier's figure, where the
+    tuner's own mean would hold it at 1.8 times for good (it never times 5 positions again). Timed every
+    time, a size keeps its own figure: the verifier weighs as one forward against about ten."""
+    server = {3: 0.20, 5: 0.22}
+    tuner = Tuner()
+    tuner.observe_server_costs(server)
+    for _ in range(4):
+        tuner.observe_verify(4, 0.40)
+    assert tuner.estimates().verify(4) > 0.3
+    for _ in range(60):
+        tuner.observe_verify(2, 0.21)
+    est = tuner.estimates()
+    assert tuner.verify.means[5] == pytest.approx(0.40)  # its own mean is unchanged...
+    assert est.verify(4) == pytest.approx(0.22 * 0.21 / 0.20, rel=0.02)  # ...but the estimate leans away
+    assert est.verify(2) == pytest.approx(0.21, rel=0.01)
+    steady = Tuner()
+    steady.observe_server_costs(server)
+    for _ in range(60):
+        steady.observe_verify(4, 0.30)
+    assert steady.estimates().verify(4) == pytest.approx(0.30, rel=0.01)  # no shape to borrow: its own level
 
 
 def test_a_plain_step_costs_what_the_verifier_says_not_the_edges_line_through_its_rounds():

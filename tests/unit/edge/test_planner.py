@@ -3,9 +3,12 @@
 Torch-free: CI runs these in the edge-only environment too.
 """
 
+import dataclasses
+
 import pytest
 
 from draftwire.contract import ModelInfo
+from edge_client.adaptive import Tuner
 from edge_client.planner import BadVerdict, GenerationRequest, Planner
 from tools.testkit.fakes import FakeVerifier, MistakenDrafter, drive, fake_info, target_continuation
 
@@ -137,3 +140,31 @@ def test_a_bad_verdict_is_a_fault_of_the_verifier(change, match):
 def test_an_honest_verdict_passes_the_checks():
     plan, verdict = _first_round()
     assert plan.apply(verdict)
+
+
+def test_a_forward_after_every_drafter_call_ended_ran_beside_none_even_if_drafted_ahead():
+    """The share of a forward spent beside drafting comes from the drafter calls' times once the
+    transport gives them: a forward that began after every call had ended ran beside none, whatever the
+    proposal's mark, also when an earlier verdict had already let go of every call's record. Only a
+    transport that gives no times falls back on the mark."""
+    shares = []
+
+    class Spy(Tuner):
+        def observe_verify(self, draft_tokens, seconds, beside=0.0):
+            shares.append(beside)
+            super().observe_verify(draft_tokens, seconds, beside)
+
+    plans = []
+    for timed in (True, False):
+        request = GenerationRequest(PROMPT, max_new_tokens=10)
+        plan = Planner(request, INFO, tuner=Spy())
+        job = plan.next_draft()
+        plan.add_draft(job, [1, 2, 3, 4], seconds=0.01 if timed else None, now=1.0 if timed else None)
+        proposal = plan.next_proposal(now=1.0 if timed else None)
+        sent = plan.in_flight[0] = dataclasses.replace(plan.in_flight[0], ahead=True)  # as if drafted beside
+        verdict = FakeVerifier(request.spec()).answer(proposal)
+        plan.apply(dataclasses.replace(verdict, verify_seconds=0.2), arrived=5.0 if timed else None)
+        plans.append((plan, sent))
+    assert shares == [0.0, 1.0]
+    plan, sent = plans[0]
+    assert plan._beside(sent, 0.2, 6.0) == 0.0  # no call's record left, and none beside it
