@@ -213,7 +213,7 @@ class Planner:
         # (start, end) of recent drafter calls on the transport's clock, while it says when (add_draft's
         # `now`): how much of each forward the drafter spent drafting beside it (apply).
         self._drafting: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
-        self._timed = False  # add_draft was ever told `now`: the record above speaks, even when empty
+        self._draft_times = False  # add_draft was ever told `now`: the record above speaks, even when empty
         self._rounds = itertools.count(1)
 
     @property
@@ -269,7 +269,7 @@ class Planner:
         that apply's `arrived` uses."""
         if seconds is not None and now is not None:
             self._drafting.append((now - seconds, now))
-            self._timed = True
+            self._draft_times = True
         if job.gamma == 0:  # a plain step: the drafter's next call catches up on what it did not see
             self._first_draft = True
             self.drafted = InFlight(list(job.base), [], [], self._final(job.base, []))
@@ -354,7 +354,7 @@ class Planner:
         the forward, placed at the verdict's arrival less half the round trip (none, where every call
         ended before it began). Without the times, 1 for a proposal the drafter drafted beside
         (InFlight.ahead), else 0."""
-        if arrived is None or not self._timed or verify_s <= 0:
+        if arrived is None or not self._draft_times or verify_s <= 0:
             return 1.0 if sent.ahead else 0.0
         end = arrived - (self.tuner.rtt_s or 0.0) / 2
         start = end - verify_s
