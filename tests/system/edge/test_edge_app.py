@@ -39,8 +39,13 @@ def verifier():
 
 @pytest.fixture(scope="module")
 def edge(verifier, tmp_path_factory):
+    """One app for the module's requests, at a fixed γ and depth: its tests read speculative rounds (their
+    figures, the verifier's γ cap, one verifier session per reply), and whether speculation pays for the
+    demo pair is a matter of timing, so an adaptive app's tuner, which outlives a request, may hand later
+    replies to the verifier (CI saw it). The adaptive default and its fallback: tests/exact/edge."""
     db = tmp_path_factory.mktemp("edge") / "edge.sqlite3"
-    with EdgeProcess(verifier.address, DRAFT, db=db, executable=EDGE) as app:
+    fixed = ("--gamma", "4", "--pipeline", "1")
+    with EdgeProcess(verifier.address, DRAFT, *fixed, db=db, executable=EDGE) as app:
         yield app
 
 
