@@ -50,13 +50,15 @@ from edge_client.openai_api import (
     usage,
 )
 from edge_client.planner import GenerationStats
-from edge_client.session import EdgeSession, GenerationRequest, VerifierError
+from edge_client.session import EdgeSession, GenerationRequest, Timeouts, VerifierError
 from edge_client.store import NotFound, Store
 from edge_client.template import Piece, TemplateRefused, TemplateRenderer
 from edge_client.trust import UntrustedVerifier, check_model_info
 
 log = logging.getLogger(__name__)
 WEB = Path(__file__).parent / "web"
+# A reply that has shown nothing: the verifier connected, and the session opened, within this (else 503).
+CONNECT_WITHIN_S = 1.5
 
 
 def default_store() -> Path:
@@ -274,7 +276,10 @@ class EdgeApp:
     async def _start(self, _app) -> None:
         self.channel = wire.channel(self.config.server, self.config.credentials)
         drafter = self.drafter if self.config.drafting is Drafting.EDGE else None
-        self.session = EdgeSession(self.channel, drafter, vocabulary=self.drafter.vocabulary)
+        # A reply that has shown nothing gets its 503 at once (as _connected's), not after the resume
+        # budget: the channel may still read READY a moment after its verifier went away.
+        timeouts = Timeouts(start_s=CONNECT_WITHIN_S)
+        self.session = EdgeSession(self.channel, drafter, timeouts, vocabulary=self.drafter.vocabulary)
         self._health_task = asyncio.get_running_loop().create_task(self._refresh_health())
 
     async def _stop(self, _app) -> None:
@@ -347,7 +352,7 @@ class EdgeApp:
             settings = replace(settings, max_tokens=limit - len(prompt))
         return replace(req, settings=settings)
 
-    async def _connected(self, within_s: float = 1.5) -> None:
+    async def _connected(self, within_s: float = CONNECT_WITHIN_S) -> None:
         """Raises VerifierError(UNAVAILABLE) unless the channel is (or gets, within `within_s`) connected:
         a request that would commit nothing gets its 503 at once, not after the resume budget, which is
         for replies already under way."""

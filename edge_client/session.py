@@ -78,8 +78,15 @@ class Timeouts:
     call_s: float = 10.0  # deadline of each unary call (GetModelInfo)
     verdict_s: float | None = 60.0  # no verdict (or open) this long: a hung verifier, resumed; None: wait
     resume_s: float = 30.0  # time budget for re-opening after UNAVAILABLE, from the last progress
+    # ...before the call has committed a token (None: resume_s): an app that answers 503 rather than keep
+    # a reply that has shown nothing waiting on a verifier gone
+    start_s: float | None = None
     backoff_s: float = 0.1  # first wait before a re-open; doubled each time, up to max_backoff_s
     max_backoff_s: float = 2.0
+
+    def budget(self, committed: bool) -> float:
+        """The resume budget of a call that has `committed` a token or not."""
+        return self.resume_s if committed or self.start_s is None else self.start_s
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before re-open number `attempt` (1, 2, ...) of a streak."""
@@ -145,8 +152,9 @@ class EdgeSession:
 
         A stream that breaks with UNAVAILABLE (a verifier or replica went away, a draining one, or
         one that sent no verdict within timeouts.verdict_s) is re-opened with the committed tokens,
-        after a backoff that doubles, until timeouts.resume_s pass without progress; the new verifier
-        re-prefills them, so no token is lost or repeated. Raises VerifierError when the verifier
+        after a backoff that doubles, until timeouts.resume_s pass without progress (timeouts.start_s,
+        if set, while this call has committed nothing); the new verifier re-prefills them, so no token
+        is lost or repeated. Raises VerifierError when the verifier
         refuses, answers a bad verdict (INTERNAL), or when the resume budget is spent (UNAVAILABLE,
         saying so); `generated` then holds every committed token.
 
@@ -158,6 +166,7 @@ class EdgeSession:
         logprobs = logprobs if logprobs is not None else []
         start = stats.started_at = time.perf_counter()
         streak, since, progress = 0, 0.0, len(generated)  # re-opens without progress, since when
+        started = len(generated)
         legs: list[_Leg] = []  # the hand-off under way, if any
         try:
             while True:
@@ -179,7 +188,7 @@ class EdgeSession:
                         streak, since, progress = 0, now, len(generated)
                     streak += 1
                     wait = self.timeouts.backoff(streak)
-                    if now - since + wait > self.timeouts.resume_s:
+                    if now - since + wait > self.timeouts.budget(len(generated) > started):
                         raise VerifierError(
                             e.code,
                             f"gave up after {streak - 1} resumes in {now - since:.1f} s "

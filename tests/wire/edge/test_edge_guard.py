@@ -493,6 +493,32 @@ def test_a_verifier_gone_after_a_first_turn_is_503_within_2_s(vocab):
     run(go())
 
 
+class Draining(Verifier):
+    """Connected and answering, but refusing every session as a draining server does (UNAVAILABLE)."""
+
+    async def Session(self, request_iterator, context):
+        async for message in request_iterator:
+            self.opened.append(list(message.open.prompt_token_ids))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        yield pb.VerifierMessage()  # never reached
+
+
+def test_a_reply_whose_session_the_verifier_will_not_open_is_503_within_2_s(vocab):
+    """The channel reads READY (as it may a moment after its verifier went away), but the open fails
+    UNAVAILABLE: the reply, which has shown nothing, gets its 503 at once, after a few quick re-opens,
+    not after the 30 s resume budget that replies under way have."""
+
+    async def go():
+        async with edge(vocab, kind=Draining) as client:
+            start = time.perf_counter()
+            status, reply, _ = await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+            took = time.perf_counter() - start
+            assert status == 503 and "draining" in reply["error"]["message"], reply
+            assert took < 2 and len(client.verifier.opened) >= 2  # re-opened, briefly
+
+    run(go())
+
+
 # --- terminal chat ------------------------------------------------------------------------------------------
 
 
