@@ -51,6 +51,15 @@ function figuresText(figures) {
     `first token ${Math.round(t.time_to_first_token_ms)} ms`,
     `prefill ${t.prompt_n} (cached ${t.cache_n})`,
   ];
+  // Speculation that did not pay (the edge's tuner turned it off, and probes it again): said, with the
+  // tokens decoded without it; the tuner's reason is the line's tooltip (setFigures).
+  const without = [
+    t.server_tokens ? `${t.server_tokens} decoded by the verifier alone` : "",
+    t.plain_steps ? `${t.plain_steps} plain steps` : "",
+  ].filter(Boolean).join(", ");
+  if ((t.speculation && t.speculation !== "on") || without) {
+    parts.push(`speculation ${t.speculation}` + (without ? ` (${without})` : ""));
+  }
   if (figures.finish_reason === "cancelled") parts.push("stopped");
   return parts.join(" · ");
 }
@@ -70,6 +79,7 @@ function addMessage(role, content, figures) {
 function setFigures(div, figures) {
   const el = div.querySelector(".figures");
   el.textContent = figuresText(figures);
+  el.title = (figures && figures.timings && figures.timings.speculation_reason) || "";
   el.classList.toggle("cancelled", !!figures && figures.finish_reason === "cancelled");
 }
 

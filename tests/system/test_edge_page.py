@@ -188,6 +188,33 @@ def test_token_probabilities_show_on_hover(page):
     tokens.first.hover()
 
 
+def test_a_reply_speculation_did_not_pay_for_says_so_and_why(page):
+    """Whether speculation pays for the demo pair is a matter of timing, so the reply's stored figures are
+    set as a reply handed to the verifier leaves them (its timings, from the API), and the page reloaded:
+    the figures say speculation was off and how many tokens the verifier decoded alone, the tuner's
+    reason on hover; a reply speculation paid for says nothing of it."""
+    page.click("#new-chat")
+    ask(page, "Return the sum of a list.", 4)
+    reason = "speculation off: 0.8 of the target alone's tokens/s over 24 rounds"
+    with contextlib.closing(sqlite3.connect(page.db)) as db, db:
+        mid, figures = db.execute(
+            "SELECT id, figures FROM messages WHERE role = 'assistant' ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+        off = json.loads(figures)
+        off["timings"].update(speculation="off", speculation_reason=reason, server_tokens=3, plain_steps=0)
+        paid = {**off, "timings": {**off["timings"], "speculation": "on", "server_tokens": 0}}
+        db.execute("UPDATE messages SET figures = ? WHERE id = ?", (json.dumps(off), mid))
+    page.reload()
+    shown = page.locator(".msg.assistant .figures").last
+    expect(shown).to_contain_text("speculation off (3 decoded by the verifier alone)")
+    assert shown.get_attribute("title") == reason
+    with contextlib.closing(sqlite3.connect(page.db)) as db, db:
+        db.execute("UPDATE messages SET figures = ? WHERE id = ?", (json.dumps(paid), mid))
+    page.reload()
+    expect(shown).to_contain_text("acceptance")
+    assert "speculation" not in shown.inner_text()
+
+
 def test_a_page_from_another_origin_cannot_drive_or_read_the_edge(page):
     edge = page.evaluate("location.origin") + "/"
     conversations = lambda: json.loads(urllib.request.urlopen(edge + "api/conversations").read())  # noqa: E731
