@@ -104,15 +104,19 @@ async function loadList() {
   return conversations;
 }
 
-async function openConversation(id) {
+// `keepForm`: a conversation just made from the form's settings leaves the form as it is now (the user may
+// have changed it while the conversation was being made); any other takes its stored settings.
+async function openConversation(id, keepForm = false) {
   const c = await api(`/api/conversations/${id}`);
   current = id;
   location.hash = id;
   $("messages").innerHTML = "";
   for (const m of c.messages) addMessage(m.role, m.content, m.figures);
-  $("temperature").value = c.settings.temperature;
-  $("max-tokens").value = c.settings.max_tokens;
-  $("probs").checked = c.settings.logprobs !== null && c.settings.logprobs !== undefined;
+  if (!keepForm) {
+    $("temperature").value = c.settings.temperature;
+    $("max-tokens").value = c.settings.max_tokens;
+    $("probs").checked = c.settings.logprobs !== null && c.settings.logprobs !== undefined;
+  }
   await loadList();
 }
 
@@ -141,7 +145,7 @@ function tokenSpan(t) {
 
 async function newConversation() {
   const c = await api("/api/conversations", { method: "POST", body: JSON.stringify({ settings: settings() }) });
-  await openConversation(c.id);
+  await openConversation(c.id, true);
 }
 
 async function send(text) {

@@ -170,12 +170,27 @@ def _count(edge: str, name: str) -> float:
 
 
 def test_token_probabilities_show_on_hover(page):
-    # The new conversation opens asynchronously and sets the checkbox from its settings (unchecked):
-    # checking it before that lands lost the race under load (seen in CI), and no logprobs were asked.
+    # Checked while the new conversation is being made (its reading held back until then): the page
+    # keeps the form as the user left it (it once reset the box from the settings the conversation was
+    # made with, and no logprobs were asked; seen in CI).
+    held = []
+
+    def hold_the_first_reading(route):
+        if route.request.method == "GET" and not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/api/conversations/*", hold_the_first_reading)
     before = page.evaluate("location.hash")
     page.click("#new-chat")
-    page.wait_for_function("h => location.hash && location.hash !== h", arg=before)
+    while not held:
+        page.wait_for_timeout(20)
     page.check("#probs")
+    held[0].continue_()
+    page.wait_for_function("h => location.hash && location.hash !== h", arg=before)
+    expect(page.locator("#probs")).to_be_checked()
+    page.unroute("**/api/conversations/*")
     reply = ask(page, "Return the sum of a list.", 16)
     tokens = reply.locator(".tok")
     assert tokens.count() >= 8  # one span per token (16 at most, EOS not shown)
