@@ -4,6 +4,7 @@
 const $ = (id) => document.getElementById(id);
 let current = null;      // the open conversation's id
 let controller = null;   // aborts the reply in flight (the Stop button)
+let making = null;       // a new conversation being made (New chat): a message sent meanwhile goes there
 
 // With `draftwire edge --api-key-file`, every API request needs the key: asked for once, kept for this tab.
 function headers() {
@@ -144,11 +145,16 @@ function tokenSpan(t) {
 }
 
 async function newConversation() {
-  const c = await api("/api/conversations", { method: "POST", body: JSON.stringify({ settings: settings() }) });
-  await openConversation(c.id, true);
+  const mine = (making = (async () => {
+    const body = JSON.stringify({ settings: settings() });
+    const c = await api("/api/conversations", { method: "POST", body });
+    await openConversation(c.id, true);
+  })());
+  try { await mine; } finally { if (making === mine) making = null; }
 }
 
 async function send(text) {
+  if (making) await making.catch(() => {});
   if (!current) await newConversation();
   showError("");
   addMessage("user", text);

@@ -170,9 +170,10 @@ def _count(edge: str, name: str) -> float:
 
 
 def test_token_probabilities_show_on_hover(page):
-    # Checked while the new conversation is being made (its reading held back until then): the page
-    # keeps the form as the user left it (it once reset the box from the settings the conversation was
-    # made with, and no logprobs were asked; seen in CI).
+    # The box checked and the message sent while New chat's conversation is being made (its reading held
+    # back until then): the message goes to the new conversation, and the form stays as the user left it
+    # (the page once sent to the conversation open before, and reset the box from the settings the new
+    # one was made with, so no logprobs were asked; seen in CI).
     held = []
 
     def hold_the_first_reading(route):
@@ -187,11 +188,20 @@ def test_token_probabilities_show_on_hover(page):
     while not held:
         page.wait_for_timeout(20)
     page.check("#probs")
+    page.fill("#max-tokens", "16")
+    page.fill("#temperature", "0")
+    page.fill("#input", "Return the sum of a list.")
+    page.click("#send")
     held[0].continue_()
     page.wait_for_function("h => location.hash && location.hash !== h", arg=before)
-    expect(page.locator("#probs")).to_be_checked()
     page.unroute("**/api/conversations/*")
-    reply = ask(page, "Return the sum of a list.", 16)
+    expect(page.locator(".msg")).to_have_count(2)  # the new conversation's: the message and its reply
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".figures")).to_contain_text("acceptance", timeout=60_000)
+    made = page.evaluate("location.hash").lstrip("#")
+    stored = json.loads(urllib.request.urlopen(f"{page.url.split('#')[0]}api/conversations/{made}").read())
+    assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
+    expect(page.locator("#probs")).to_be_checked()
     tokens = reply.locator(".tok")
     assert tokens.count() >= 8  # one span per token (16 at most, EOS not shown)
     assert "".join(tokens.all_inner_texts()) == reply.locator(".text").inner_text()
@@ -208,13 +218,20 @@ def test_a_reply_speculation_did_not_pay_for_says_so_and_why(page):
     set as a reply handed to the verifier leaves them (its timings, from the API), and the page reloaded:
     the figures say speculation was off and how many tokens the verifier decoded alone, the tuner's
     reason on hover; a reply speculation paid for says nothing of it."""
+    before = page.evaluate("location.hash")
     page.click("#new-chat")
+    page.wait_for_function("h => location.hash && location.hash !== h", arg=before)
     ask(page, "Return the sum of a list.", 4)
     reason = "speculation off: 0.8 of the target alone's tokens/s over 24 rounds"
+    made, deadline, row = page.evaluate("location.hash").lstrip("#"), time.monotonic() + 30, None
+    while row is None and time.monotonic() < deadline:  # the app stores the reply as it ends it
+        with contextlib.closing(sqlite3.connect(page.db)) as db:
+            row = db.execute(
+                "SELECT id, figures FROM messages WHERE role = 'assistant' AND conversation_id = ?", (made,)
+            ).fetchone()
+        time.sleep(0.1)
+    mid, figures = row
     with contextlib.closing(sqlite3.connect(page.db)) as db, db:
-        mid, figures = db.execute(
-            "SELECT id, figures FROM messages WHERE role = 'assistant' ORDER BY id DESC LIMIT 1"
-        ).fetchone()
         off = json.loads(figures)
         off["timings"].update(speculation="off", speculation_reason=reason, server_tokens=3, plain_steps=0)
         paid = {**off, "timings": {**off["timings"], "speculation": "on", "server_tokens": 0}}
