@@ -78,8 +78,8 @@ class Timeouts:
     call_s: float = 10.0  # deadline of each unary call (GetModelInfo)
     verdict_s: float | None = 60.0  # no verdict (or open) this long: a hung verifier, resumed; None: wait
     resume_s: float = 30.0  # time budget for re-opening after UNAVAILABLE, from the last progress
-    # ...before the call has committed a token (None: resume_s): an app that answers 503 rather than keep
-    # a reply that has shown nothing waiting on a verifier gone
+    # the same while the call has committed nothing (None: resume_s): the edge app's, short, answers a reply
+    # that has shown nothing with a 503 instead of keeping it waiting on a verifier gone
     start_s: float | None = None
     backoff_s: float = 0.1  # first wait before a re-open; doubled each time, up to max_backoff_s
     max_backoff_s: float = 2.0
@@ -154,9 +154,9 @@ class EdgeSession:
         one that sent no verdict within timeouts.verdict_s) is re-opened with the committed tokens,
         after a backoff that doubles, until timeouts.resume_s pass without progress (timeouts.start_s,
         if set, while this call has committed nothing); the new verifier re-prefills them, so no token
-        is lost or repeated. Raises VerifierError when the verifier
-        refuses, answers a bad verdict (INTERNAL), or when the resume budget is spent (UNAVAILABLE,
-        saying so); `generated` then holds every committed token.
+        is lost or repeated. Raises VerifierError when the verifier refuses, answers a bad verdict
+        (INTERNAL), or when the resume budget is spent (UNAVAILABLE, saying so); `generated` then holds
+        every committed token.
 
         A leg (speculation off, handed to the verifier) is a thin session resumed from the committed
         tokens, and the edge session that takes it back another resume: the same tokens either way.
