@@ -123,15 +123,41 @@ def _started() -> bool:
     return True
 
 
-def _limit_memory() -> None:
+def _worker_init() -> None:
+    """The worker's start: its memory limit, and Ctrl-C left to the parent. A terminal's Ctrl-C goes to
+    every process in its foreground group, the worker too; the parent stops the reply, and the worker
+    must not die of it (it would print a KeyboardInterrupt and break the pool)."""
     import resource
+    import signal
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since its spawn (_spawning)
+
+
+@contextlib.contextmanager
+def _spawning():
+    """SIGINT blocked on this thread while a worker may be spawned, so that the worker starts with it
+    blocked (the mask is inherited), until `_worker_init` ignores it: a Ctrl-C during the start waits
+    here, and goes to the parent alone."""
+    import multiprocessing.resource_tracker
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # Started first: its own start unblocks SIGINT on this thread when it is done.
+    multiprocessing.resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class TemplateRenderer:
     """Renders in one worker process (spawned on first use), killed and replaced when a render runs past
-    `time_limit_s`."""
+    `time_limit_s`; a worker found dead before a render (killed from outside) is replaced too."""
 
     def __init__(self, time_limit_s: float = TIME_LIMIT_S):
         self.time_limit_s = time_limit_s
@@ -143,11 +169,11 @@ class TemplateRenderer:
         pool = self._pool
         if pool is None:
             pool = self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_limit_memory
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
             )
             self._warm = False
         if not self._warm:
-            with _without_main():  # the worker starts here, and needs nothing of the parent's __main__
+            with _without_main(), _spawning():  # the worker starts here, needing nothing of __main__
                 started = asyncio.get_running_loop().run_in_executor(pool, _started)
             await within(started, 60)
             self._warm = True
@@ -155,7 +181,11 @@ class TemplateRenderer:
 
     async def render(self, template: str, messages: list[dict[str, str]], bos: str, eos: str) -> list[Piece]:
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(await self._executor(), render_pieces, template, messages, bos, eos)
+        try:
+            future = loop.run_in_executor(await self._executor(), render_pieces, template, messages, bos, eos)
+        except concurrent.futures.process.BrokenProcessPool:  # the worker died while idle: a new one
+            self._kill()
+            future = loop.run_in_executor(await self._executor(), render_pieces, template, messages, bos, eos)
         try:
             return await within(future, self.time_limit_s)
         except TimeoutError:
