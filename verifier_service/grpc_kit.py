@@ -24,7 +24,7 @@ from draftwire import metrics, ports, widths, wire
 from draftwire.metrics import StatsCollector
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
-from verifier_service.admission import AdmissionConfig
+from verifier_service.admission import ANONYMOUS, AdmissionConfig
 from verifier_service.auth import AuthConfig, TlsConfig
 from verifier_service.batcher import BatchConfig
 from verifier_service.engine import PrefixCacheConfig
@@ -74,7 +74,6 @@ class ServerConfig:
 
 
 RETRY_AFTER = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED open: when to try again
-ANONYMOUS = "#connection "  # no listed client is named so: '#' starts a comment in a token file
 
 
 def client_of(identity: auth.Identity, context) -> str:
@@ -86,9 +85,9 @@ def client_of(identity: auth.Identity, context) -> str:
     - a conversation's turns on one channel reuse their caches, and no other connection takes them
       (reuse across connections needs an identity; `reused_positions` tells an anonymous caller nothing
       of what others sent);
-    - callers behind one NAT or on one host are not one client, so one of them cannot lock the others
-      out; a caller with many connections is held only by the server-wide caps: give clients tokens
-      when that matters."""
+    - for the caps and fair shares, though, the anonymous connections from one address are one client
+      (admission.party_of): a host opening many connections gets one share, as callers behind one NAT
+      do; give clients tokens to tell them apart."""
     return identity.name or ANONYMOUS + (context.peer() or "")
 
 

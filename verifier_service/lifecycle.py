@@ -36,6 +36,12 @@ class ShutDown(Ended):
         super().__init__(SHUTTING_DOWN)
 
 
+class Preempted(Ended):
+    """A full verifier ended this idle session of a client over its fair share, to let in a client
+    below its own (admission.Admission.victims): UNAVAILABLE, so the edge resumes with its committed
+    tokens (elsewhere in a pool; here only once its client is back within its share)."""
+
+
 class Revoked(Ended):
     """The credentials the session was admitted with no longer admit it; `refusal` is what the
     authentication layer says of them (its status and message)."""
@@ -46,6 +52,10 @@ class Revoked(Ended):
 
 
 SHUTTING_DOWN = "the verifier is shutting down: resume elsewhere with the committed tokens"
+PREEMPTED = (
+    "the verifier is full and this idle session's client holds more than its fair share: "
+    "the session ended to let another client in; resume with the committed tokens"
+)
 
 
 async def revocation(admitted: Callable, every_s: float) -> Revoked:
@@ -71,6 +81,7 @@ class Lifetime:
         loop = asyncio.get_running_loop()
         self.opened_at = loop.time()
         self.revoked = asyncio.Event()  # set when the credentials no longer admit the session
+        self.preempted = asyncio.Event()  # set to end the session for another client (Preempted)
         self._revocation: Revoked | None = None
         self._watch = loop.create_task(self._recheck(admitted)) if admitted is not None else None
 
@@ -90,6 +101,8 @@ class Lifetime:
         it is too old)."""
         if self.cut.is_set():
             raise ShutDown()
+        if self.preempted.is_set():
+            raise Preempted(PREEMPTED)
         if self._revocation is not None:
             raise self._revocation
         if self.age_left() <= 0:
@@ -132,7 +145,7 @@ class Lifetime:
 
     def _stops(self) -> list[asyncio.Future]:
         """Futures done when the session must end before its next message: the cut, the revocation."""
-        stops = [asyncio.ensure_future(self.cut.wait())]
+        stops = [asyncio.ensure_future(self.cut.wait()), asyncio.ensure_future(self.preempted.wait())]
         if self._watch is not None:
             stops.append(asyncio.ensure_future(self.revoked.wait()))
         return stops

@@ -36,7 +36,7 @@ from verifier_service.grpc_kit import (
     start_metrics,
     wait_for_stop_signal,
 )
-from verifier_service.lifecycle import Revoked, ShutDown, TimedOut
+from verifier_service.lifecycle import Preempted, Revoked, ShutDown, TimedOut
 from verifier_service.session import InvalidRequest, VerifierLimits, WrongState
 from verifier_service.stream import Flooded, Incoming, Open, Opened, Read, Unknown, Verifier
 
@@ -52,6 +52,7 @@ STATUS = {
     Flooded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
     ShutDown: grpc.StatusCode.UNAVAILABLE,
+    Preempted: grpc.StatusCode.UNAVAILABLE,
 }
 
 

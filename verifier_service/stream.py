@@ -20,12 +20,12 @@ import secrets
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 
-from draftwire.contract import Proposal, SessionSpec, Verdict
-from verifier_service.admission import Admission, AdmissionConfig, Refused, RefusedUnread, Window
+from draftwire.contract import Proposal, SessionSpec, Verdict, generation_budget
+from verifier_service.admission import Admission, AdmissionConfig, NoRoom, Refused, RefusedUnread, Window
 from verifier_service.batcher import BatchConfig, Batcher, ServedEngine
 from verifier_service.engine import PrefixCacheConfig
 from verifier_service.gamma_cap import CapConfig, GammaCap
-from verifier_service.lifecycle import Ended, Lifetime, LifetimeConfig, ShutDown
+from verifier_service.lifecycle import Ended, Lifetime, LifetimeConfig, Preempted, ShutDown
 from verifier_service.session import (
     InvalidRequest,
     SessionError,
@@ -133,6 +133,8 @@ class Verifier:
         self.draining = False  # opens are refused with ShutDown (the edge resumes elsewhere)
         self.cut = asyncio.Event()  # set when the drain's time is up: every session ends
         self.revoked_sessions = 0  # open sessions ended because their credentials no longer admit them
+        self.preempted_sessions = 0  # idle sessions ended to let a client below its fair share in
+        self._lifetimes: dict[str, Lifetime] = {}  # key -> the clock of each open stream (to preempt it)
 
     async def run(
         self,
@@ -157,8 +159,11 @@ class Verifier:
         stale = StaleLimit(self.config.admission)
         sent = lambda reply: lifetime.sent(write(reply))  # noqa: E731
         session = None
+        self._lifetimes[key] = lifetime
+        loop = asyncio.get_running_loop()
         try:
             async for arrived in lifetime.messages(arrivals):
+                self.admission.busy(key)
                 if session is None:
                     # A client whose opens were refused too often just now: its open is refused once it
                     # has arrived (a status sent while the edge still writes can reach it as a bare
@@ -172,6 +177,12 @@ class Verifier:
                 while session.plays_on:  # a thin session's rounds, up to read_ahead past its Read
                     lifetime.check()
                     await sent(await session.play(session.own_proposal()))
+                self.admission.idle(key, loop.time())  # waits on its edge: may be preempted
+        except Preempted as e:
+            self.preempted_sessions += 1
+            committed = len(session.generated) if session is not None else 0
+            log.info("session %s of %r preempted after %d generated tokens", key, client, committed)
+            raise Preempted(f"{e} ({committed} generated tokens committed)") from None
         except (SessionError, Refused, Ended) as e:
             log.info("session %s ended: %s: %s", key, type(e).__name__, e)
             self.revoked_sessions += lifetime.revoked.is_set()
@@ -183,6 +194,7 @@ class Verifier:
             raise
         finally:
             lifetime.close()
+            self._lifetimes.pop(key, None)
             # Queued behind any forward of this key, so nothing outlives the release.
             self.batcher.release(key)
             self.admission.release(key)
@@ -196,11 +208,35 @@ class Verifier:
         spec = message.parse()
         if self.draining:
             raise ShutDown()
-        now, per_position = asyncio.get_running_loop().time(), self.engine.bytes_per_position
-        admit = lambda s: self.admission.admit(key, client, s.max_positions * per_position, now)  # noqa: E731
-        return await VerifierSession.open(
+        loop, per_position = asyncio.get_running_loop(), self.engine.bytes_per_position
+        admit = lambda s: self.admission.admit(key, client, s.max_positions * per_position, loop.time())  # noqa: E731
+        opening = lambda: VerifierSession.open(  # noqa: E731
             self.batcher, spec, self.config.limits, self.stats, key, owner=client, admit=admit
         )
+        try:
+            return await opening()
+        except NoRoom:
+            budget = generation_budget(
+                message.max_new_tokens, self.engine.info.max_context, message.prompt_length
+            )
+            kv_bytes = (message.prompt_length + budget) * per_position
+            if not await self._preempt(self.admission.victims(client, kv_bytes, loop.time())):
+                raise
+        return await opening()  # the room the preempted sessions left (Refused if another took it)
+
+    async def _preempt(self, keys: list[str], wait_s: float = 2.0) -> bool:
+        """Ends the idle sessions `keys` (Preempted) and waits up to `wait_s` for their release; returns
+        whether they were released."""
+        lifetimes = [self._lifetimes[k] for k in keys if k in self._lifetimes]
+        for lifetime in lifetimes:
+            lifetime.preempted.set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while keys and loop.time() < deadline:
+            if not any(self.admission.holds(k) for k in keys):
+                return True
+            await asyncio.sleep(0.01)
+        return bool(keys) and not any(self.admission.holds(k) for k in keys)
 
     def _opened(self, key: str, session: VerifierSession) -> Opened:
         return Opened(

@@ -338,7 +338,8 @@ def test_a_session_a_replica_refuses_is_opened_on_the_other_and_refused_when_bot
     resume. With P full as well, an open both refuse reaches the edge as RESOURCE_EXHAUSTED with the
     replicas' retry-after-ms."""
     scaling = ScalingConfig(min_replicas=2, max_replicas=2, interval_s=0.5)
-    config = pool_config(test_pair, scaling, AdmissionConfig(max_sessions=2, retry_after_s=0.25))
+    admission = AdmissionConfig(max_sessions=2, max_sessions_per_client=0, retry_after_s=0.25)
+    config = pool_config(test_pair, scaling, admission)
     pool, front, address = loop.run(start_pool(config), timeout=180)
     calls = []
     try:

@@ -25,13 +25,16 @@ def bytes_per_position(test_pair) -> int:
 
 @pytest.fixture(scope="module")
 def limited(test_pair, bytes_per_position):
-    """Two sessions at most; a KV budget of 100 positions; idle sessions end after IDLE_S; no kept caches."""
+    """Two sessions at most (one client may hold both); a KV budget of 100 positions; idle sessions end
+    after IDLE_S; no kept caches."""
     budget_mb = 100 * bytes_per_position / (1 << 20)
     args = [
         "--dtype",
         "float32",
         "--max-sessions",
         "2",
+        "--max-sessions-per-client",
+        "0",
         "--kv-budget-mb",
         f"{budget_mb}",
         "--client-kv-share",

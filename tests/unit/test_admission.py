@@ -185,3 +185,104 @@ def test_no_limit_on_refused_opens_when_it_is_zero():
     for t in range(100):
         admission.refused_open("x", t / 1000)
     admission.check_refusals("x", 0.1)
+
+
+@pytest.mark.parametrize(
+    "client, party",
+    [
+        ("alice", "alice"),
+        ("#connection ipv4:10.0.0.1:51234", "#address ipv4:10.0.0.1"),
+        ("#connection ipv4:10.0.0.1:40000", "#address ipv4:10.0.0.1"),
+        ("#connection ipv6:[::1]:51234", "#address ipv6:[::1]"),
+        ("#connection ipv6:%5B::1%5D:51234", "#address ipv6:[::1]"),  # as gRPC writes it
+        ("#connection unix:/tmp/s", "#address unix:/tmp/s"),
+        ("#connection ", "#address "),
+    ],
+)
+def test_an_anonymous_client_is_its_peer_address_without_the_port(client, party):
+    from verifier_service.admission import party_of
+
+    assert party_of(client) == party
+
+
+def test_the_per_client_cap_is_a_quarter_of_the_sessions_by_default():
+    assert AdmissionConfig().sessions_per_client == 64  # binds at the default 256
+    assert AdmissionConfig(max_sessions=6).sessions_per_client == 1
+    assert AdmissionConfig(max_sessions=0).sessions_per_client == 0  # no global cap: none derived
+    assert AdmissionConfig(max_sessions_per_client=0).sessions_per_client == 0  # asked for none
+    assert AdmissionConfig().client_kv_share == 0.25
+
+
+def test_many_anonymous_connections_from_one_host_are_one_client_and_a_bystander_gets_in():
+    """The probe's flood: 30 connections from one host took every slot (each connection was a client of
+    its own). At default caps the host now holds its quarter and another host is admitted."""
+    admission = Admission(limits())
+    flood = [f"#connection ipv4:10.0.0.9:{40000 + i}" for i in range(30)]
+    admitted = 0
+    for i in range(256):
+        try:
+            admission.admit(f"f{i}", flood[i % 30], 0, 0)
+            admitted += 1
+        except Refused as e:
+            assert "'#address ipv4:10.0.0.9' holds its maximum of 64 sessions" in str(e)
+            assert e.retry_after_s > 0
+    assert admitted == 64
+    admission.admit("bystander", "#connection ipv4:10.0.0.7:5000", 0, 0)
+
+
+def test_a_small_kv_budget_is_shared_by_host():
+    """--kv-budget-mb 16: 20 connections of one host filled it with 91 sessions; now a quarter."""
+    admission = Admission(limits(kv_budget_bytes=16 * MiB))
+    held = 0
+    for i in range(91):
+        try:
+            admission.admit(f"f{i}", f"#connection ipv4:10.0.0.9:{40000 + i % 20}", 176 * 1024, 0)
+            held += 1
+        except Refused as e:
+            assert "of the 4 MiB one client may reserve" in str(e)
+    assert held * 176 * 1024 <= 4 * MiB
+    admission.admit("bystander", "#connection ipv4:10.0.0.7:5000", 4 * MiB, 0)
+
+
+def full(**kwargs) -> Admission:
+    """A verifier of 8 sessions at most, no per-client cap: two flooders hold 6 and 2."""
+    admission = Admission(limits(max_sessions=8, max_sessions_per_client=0, **kwargs))
+    for i in range(6):
+        admission.admit(f"a{i}", "flood", 0, 0)
+        admission.idle(f"a{i}", float(i))
+    for i in range(2):
+        admission.admit(f"b{i}", "other", 0, 0)
+        admission.idle(f"b{i}", 0.0)
+    return admission
+
+
+def test_a_full_verifier_preempts_the_longest_idle_session_of_the_client_most_over_its_share():
+    admission = full()
+    with pytest.raises(Refused, match="maximum of 8"):
+        admission.admit("n", "newcomer", 0, 10.0)
+    # Fair share: 8 sessions over 3 clients; "flood" holds 6, "other" 2 (within its share).
+    assert admission.victims("newcomer", 0, 10.0) == ["a0"]
+    admission.busy("a0")  # a session with work in hand is not idle
+    assert admission.victims("newcomer", 0, 10.0) == ["a1"]
+    assert admission.victims("newcomer", 0, 2.5) == []  # a1..a5 idle less than preempt_idle_s
+    assert admission.victims("flood", 0, 10.0) == []  # a client over its share preempts nobody
+    assert admission.victims("other", 0, 10.0) == ["a1"]  # 3 within 8 / 2 once in: "other" may
+    admission.release("a1")
+    admission.admit("n", "newcomer", 0, 10.0)
+
+
+def test_no_preemption_when_it_is_off_or_cannot_make_room():
+    assert full(preempt_idle_s=0).victims("newcomer", 0, 10.0) == []
+    admission = Admission(limits(max_sessions=2, max_sessions_per_client=0))
+    admission.admit("a", "x", 0, 0)
+    admission.admit("b", "y", 0, 0)
+    admission.idle("a", 0.0)
+    admission.idle("b", 0.0)
+    assert admission.victims("z", 0, 10.0) == []  # z's one would be past its share of 2 / 3 too
+    admission = Admission(limits(max_sessions=4, max_sessions_per_client=0))
+    for key in "abcd":
+        admission.admit(key, "x", 0, 0)
+    admission.idle("a", 0.0)
+    assert admission.victims("z", 0, 10.0) == ["a"]
+    admission.busy("a")
+    assert admission.victims("z", 0, 10.0) == []  # x is over its share, but busy

@@ -192,23 +192,26 @@ def test_the_global_cap_refuses_with_a_retry_hint_and_a_release_makes_room():
             await asyncio.sleep(0.1)
             return second, third, await opened(channel)
 
-    with InProcessServer(engine(), config(admission=AdmissionConfig(max_sessions=2))) as srv:
+    admission = AdmissionConfig(max_sessions=2, max_sessions_per_client=0)  # the global cap alone
+    with InProcessServer(engine(), config(admission=admission)) as srv:
         second, third, after = asyncio.run(run(srv.address))
     assert not isinstance(second, grpc.aio.AioRpcError)
     assert third.code() == EXHAUSTED and "maximum of 2 sessions" in third.details() and retry_hint(third) > 0
     assert not isinstance(after, grpc.aio.AioRpcError)
 
 
-def test_one_connection_cannot_take_another_connections_share():
-    """Anonymous callers are known by their connection: one that holds its share leaves the other's."""
+def test_the_connections_of_one_address_share_a_share_and_another_address_has_its_own():
+    """Anonymous callers are known by their peer's address (admission.party_of): two connections from
+    ::1 hold one share between them, while 127.0.0.1 (a dual-stack server) has a share of its own."""
     admission = AdmissionConfig(max_sessions_per_client=1)
 
-    async def run(address):
-        async with connection(address) as a, connection(address) as b:
-            return [await opened(a), await opened(a), await opened(b)]
+    async def run(port):
+        async with connection(f"[::1]:{port}") as a, connection(f"[::1]:{port}") as b:
+            async with connection(f"127.0.0.1:{port}") as other:
+                return [await opened(a), await opened(b), await opened(other)]
 
-    with InProcessServer(engine(), config(admission=admission)) as srv:
-        first, again, other = asyncio.run(run(srv.address))
+    with InProcessServer(engine(), config(admission=admission, host="[::]")) as srv:
+        first, again, other = asyncio.run(run(srv.port))
     assert not isinstance(first, grpc.aio.AioRpcError) and not isinstance(other, grpc.aio.AioRpcError)
     assert again.code() == EXHAUSTED and "maximum of 1 sessions" in again.details()
 
@@ -374,8 +377,8 @@ def connection(address: str) -> grpc.aio.Channel:
 
 def test_a_client_whose_opens_are_refused_too_often_is_refused_unread_for_a_second():
     """Past 5 refused opens in a second (`max_refused_opens_per_s`), a connection's next opens get
-    RESOURCE_EXHAUSTED before they are parsed, with the time to wait; another connection is served, and
-    so is the first once the second has passed."""
+    RESOURCE_EXHAUSTED before they are parsed, with the time to wait; another address is served (the
+    connections of one address are one client), and so is the first once the second has passed."""
     admission = AdmissionConfig(max_refused_opens_per_s=5)
     empty = pb.EdgeMessage(open=pb.OpenSession(prompt_token_ids=[]))
 
@@ -388,16 +391,16 @@ def test_a_client_whose_opens_are_refused_too_often_is_refused_unread_for_a_seco
             return e
         return None
 
-    async def run(address):
-        async with connection(address) as flood, connection(address) as other:
+    async def run(port):
+        async with connection(f"[::1]:{port}") as flood, connection(f"127.0.0.1:{port}") as other:
             codes = [(await one(flood, empty)).code() for _ in range(7)]
             unread = await one(flood, plain_open(2))
             elsewhere = await one(other, plain_open(2))
             await asyncio.sleep(retry_hint(unread) / 1000 + 0.05)
             return codes, unread, elsewhere, await one(flood, plain_open(2))
 
-    with InProcessServer(engine(), config(admission=admission)) as srv:
-        codes, unread, elsewhere, later = asyncio.run(run(srv.address))
+    with InProcessServer(engine(), config(admission=admission, host="[::]")) as srv:
+        codes, unread, elsewhere, later = asyncio.run(run(srv.port))
     assert codes == [INVALID] * 5 + [EXHAUSTED] * 2
     assert (
         unread.code() == EXHAUSTED and "refused unread" in unread.details() and 0 < retry_hint(unread) <= 1000
