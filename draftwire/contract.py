@@ -41,6 +41,9 @@ class SamplingParams:
     # is divided by it when positive, multiplied by it when negative; (0, 10], 1 is off
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count among generated ones; [-2, 2]
     presence_penalty: float = 0.0  # OpenAI: minus this when the token was generated before; [-2, 2]
+    # After top-k and top-p, keep the tokens at least min_p times as likely as the likeliest; [0, 1],
+    # 0 is off (last: positional callers keep their meaning).
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -53,7 +56,7 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether the logits are changed before temperature, top-k and top-p."""
+        """Whether the logits are changed before temperature, top-k, top-p and min-p."""
         return self.penalized or bool(self.logit_bias)
 
     def validate(self) -> SamplingParams:
@@ -64,6 +67,8 @@ class SamplingParams:
             raise InvalidSampling(f"top_k must be >= 0, got {self.top_k}")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidSampling(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.seed < 2**64:
             raise InvalidSampling(f"seed must be an unsigned 64-bit integer, got {self.seed}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -103,7 +103,7 @@ def token_logprobs(
     # Row by row into one buffer: a temporary of the whole [n, vocab] costs more in fresh pages than in
     # arithmetic (5 rows of a 49k vocabulary: 5 ms against 0.4).
     scaled = np.array(scores, dtype=np.float64)
-    if params.top_k or params.top_p < 1.0:
+    if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         scaled = filtered_logits(scaled, params)
     elif not params.greedy:
         scaled /= params.temperature  # what filtered_logits computes without a filter, in place
@@ -128,15 +128,24 @@ def token_logprobs(
 
 
 def filtered_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Logits divided by the temperature, with tokens outside top-k and top-p set to -inf.
+    """Logits divided by the temperature, with tokens outside top-k, top-p and min-p set to -inf.
 
     logits  # [n, vocab] any float dtype; returns [n, vocab] float64
     Top-k keeps exactly k tokens (ties broken towards the lower id); top-p then keeps the smallest
-    prefix of the remaining tokens, most likely first, whose probability reaches top_p.
+    prefix of the remaining tokens, most likely first, whose probability reaches top_p; min-p then keeps
+    those at least min_p times as likely as the likeliest (transformers' order and rules).
     """
     scaled = np.asarray(logits, dtype=np.float64) / params.temperature
-    if params.top_k == 0 and params.top_p >= 1.0:
-        return scaled
+    if params.top_k > 0 or params.top_p < 1.0:
+        scaled = _top_k_top_p(scaled, params)
+    if params.min_p > 0.0:
+        # A ratio to the likeliest, which top-k and top-p always keep.
+        below = scaled < scaled.max(axis=-1, keepdims=True) + math.log(params.min_p)
+        scaled = np.where(below, -np.inf, scaled)
+    return scaled
+
+
+def _top_k_top_p(scaled: np.ndarray, params: SamplingParams) -> np.ndarray:
     order = np.argsort(-scaled, axis=-1, kind="stable")  # most likely first, lower id first on ties
     sorted_logits = np.take_along_axis(scaled, order, axis=-1)
     drop = np.zeros(sorted_logits.shape, dtype=bool)

@@ -104,6 +104,7 @@ def sampling(args) -> SamplingParams:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
             seed=seed,
             logit_bias=tuple(args.logit_bias),
             repetition_penalty=args.repetition_penalty,

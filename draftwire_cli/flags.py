@@ -84,11 +84,6 @@ megabytes = bounded(float, 0, what="0 or more MB")
 share = bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1: no per-client cap)")
 
 
-def count_or_auto(text: str) -> int | None:
-    """`auto` (None: derived from other limits) or a count."""
-    return None if text == "auto" else count(text)
-
-
 def budget_mb(text: str) -> float | None:
     """`auto` (None: sized from the memory available at start) or megabytes."""
     return None if text == "auto" else megabytes(text)
@@ -101,6 +96,9 @@ temperature = bounded(float, 0, what="0 (greedy) or more")
 
 
 top_p = bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1 keeps every token)")
+
+
+min_p = bounded(float, 0, 1, what="0 (keeps every token) to 1")
 
 
 seed = bounded(int, 0, (1 << 64) - 1, what="0 to 2**64 - 1")
@@ -129,6 +127,12 @@ def add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
     p.add_argument("--top-k", type=count, default=0, help="sample among the K likeliest tokens (0 keeps all)")
     p.add_argument(
         "--top-p", type=top_p, default=1.0, help="sample among the likeliest tokens of this total mass"
+    )
+    p.add_argument(
+        "--min-p",
+        type=min_p,
+        default=0.0,
+        help="then among the tokens at least this fraction as likely as the likeliest (0 keeps all)",
     )
     p.add_argument(
         "--seed",
@@ -213,11 +217,7 @@ def add_limits(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits, admission and drain (0: no limit)")
     g.add_argument("--max-sessions", type=count, default=256, help="sessions open at once")
     g.add_argument(
-        "--max-sessions-per-client",
-        type=count_or_auto,
-        default="auto",
-        help="sessions one client (a token, a certificate or a peer address) holds at once; "
-        "auto: a quarter of --max-sessions",
+        "--max-sessions-per-client", type=count, default=0, help="sessions one client holds at once"
     )
     g.add_argument("--sessions-per-minute", type=count, default=0, help="new sessions per client per minute")
     g.add_argument(
@@ -230,8 +230,8 @@ def add_limits(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--client-kv-share",
         type=share,
-        default=0.25,
-        help="of the KV budget, the most one client (a token, a certificate or a peer address) reserves",
+        default=0.5,
+        help="of the KV budget, the most one client (a token, a certificate or a connection) reserves",
     )
     _add_prefill_limits(g)
     _add_thin_limits(g)

@@ -24,6 +24,32 @@ MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 MAX_UINT32 = 2**32 - 1  # top_k and max_tokens travel as uint32
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 
+# The request fields the API reads (chat and completions), and those it takes and ignores because they
+# change nothing in a reply (labels). Any other field is 400 naming it: a setting the app does not
+# implement must not be dropped silently (a user would believe it applied).
+SETTINGS_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+)
+CHAT_FIELDS = (*SETTINGS_FIELDS, "model", "messages", "stream", "stream_options", "top_logprobs")
+COMPLETION_FIELDS = (*SETTINGS_FIELDS, "model", "prompt", "stream", "stream_options")
+LABEL_FIELDS = ("user", "metadata")
+# Fields not implemented yet that still pass unread, as before the check (structured output implements
+# them and takes them off this list).
+PASSED_UNREAD = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+
 
 class ApiError(Exception):
     """A request the API refuses with `status` and an OpenAI error (`param`, `code`)."""
@@ -52,6 +78,7 @@ class Settings:
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None  # None: a fresh one per reply (reported in the response)
     stop: tuple[str, ...] = ()
     frequency_penalty: float = 0.0
@@ -71,6 +98,7 @@ class Settings:
             self.repetition_penalty,
             self.frequency_penalty,
             self.presence_penalty,
+            self.min_p,
         )
 
     def as_json(self) -> dict:
@@ -79,6 +107,7 @@ class Settings:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "min_p": self.min_p,
             "seed": self.seed,
             "stop": list(self.stop),
             "frequency_penalty": self.frequency_penalty,
@@ -108,8 +137,8 @@ class CompletionRequest:
 
 
 def parse_settings(body: dict[str, Any], defaults: Settings, chat: bool = True) -> Settings:
-    """The generation fields of an OpenAI request over `defaults`; unknown fields are ignored, as
-    OpenAI ignores them. `chat`: logprobs as the chat API has them (a boolean, and top_logprobs), else
+    """The generation fields of an OpenAI request over `defaults` (other fields are the caller's to
+    check: `unsupported`). `chat`: logprobs as the chat API has them (a boolean, and top_logprobs), else
     as the completions API (the number of alternatives). Raises BadRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -125,6 +154,8 @@ def parse_settings(body: dict[str, Any], defaults: Settings, chat: bool = True) 
         s = replace(s, temperature=temperature)
     if body.get("top_p") is not None:
         s = replace(s, top_p=_number(body["top_p"], "top_p"))
+    if body.get("min_p") is not None:
+        s = replace(s, min_p=_number(body["min_p"], "min_p"))
     if body.get("top_k") is not None:
         s = replace(s, top_k=_int(body["top_k"], "top_k", minimum=0, maximum=MAX_UINT32))
     if body.get("seed") is not None:
@@ -146,8 +177,18 @@ def parse_settings(body: dict[str, Any], defaults: Settings, chat: bool = True) 
     return s
 
 
+def unsupported(body: Any, read: tuple[str, ...]) -> None:
+    """Raises BadRequest naming the first field of `body` outside `read`, the labels and PASSED_UNREAD."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for name in body:
+        if name not in read and name not in LABEL_FIELDS and name not in PASSED_UNREAD:
+            raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
 def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
     """POST /v1/chat/completions. Raises BadRequest."""
+    unsupported(body, CHAT_FIELDS)
     settings = parse_settings(body, defaults)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -163,6 +204,7 @@ def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
 
 def parse_completion(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
     """POST /v1/completions (one prompt string). Raises BadRequest."""
+    unsupported(body, COMPLETION_FIELDS)
     settings = parse_settings(body, defaults, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

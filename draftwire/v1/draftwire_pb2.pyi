@@ -80,7 +80,7 @@ class SpecialTokens(_message.Message):
     def __init__(self, bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class SamplingParams(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -99,12 +100,13 @@ class SamplingParams(_message.Message):
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
     seed: int
     logit_bias: _containers.ScalarMap[int, float]
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class StopConditions(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")

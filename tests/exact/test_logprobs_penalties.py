@@ -72,8 +72,10 @@ def engine(test_pair):
         SamplingParams(0.8, seed=7),
         SamplingParams(**PENALIZED),
         SamplingParams(0.9, 40, 0.95, 3, **PENALIZED),
+        SamplingParams(1.2, seed=5, min_p=0.1),
+        SamplingParams(0.9, 40, 0.95, 3, **PENALIZED, min_p=0.05),
     ],
-    ids=["greedy", "seeded", "greedy-penalized", "seeded-penalized"],
+    ids=["greedy", "seeded", "greedy-penalized", "seeded-penalized", "seeded-min-p", "seeded-all"],
 )
 def test_speculative_tokens_and_logprobs_equal_the_target_alone(server, test_pair, engine, params):
     """Six sessions at once (so rounds share forward passes), of three drafts, gamma and depths."""
