@@ -84,6 +84,11 @@ megabytes = bounded(float, 0, what="0 or more MB")
 share = bounded(float, 0, 1, low_open=True, what="above 0 and at most 1 (1: no per-client cap)")
 
 
+def count_or_auto(text: str) -> int | None:
+    """`auto` (None: derived from other limits) or a count."""
+    return None if text == "auto" else count(text)
+
+
 def budget_mb(text: str) -> float | None:
     """`auto` (None: sized from the memory available at start) or megabytes."""
     return None if text == "auto" else megabytes(text)
@@ -217,7 +222,11 @@ def add_limits(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits, admission and drain (0: no limit)")
     g.add_argument("--max-sessions", type=count, default=256, help="sessions open at once")
     g.add_argument(
-        "--max-sessions-per-client", type=count, default=0, help="sessions one client holds at once"
+        "--max-sessions-per-client",
+        type=count_or_auto,
+        default="auto",
+        help="sessions one client (a token, a certificate or a peer address) holds at once; "
+        "auto: a quarter of --max-sessions",
     )
     g.add_argument("--sessions-per-minute", type=count, default=0, help="new sessions per client per minute")
     g.add_argument(
@@ -230,8 +239,8 @@ def add_limits(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--client-kv-share",
         type=share,
-        default=0.5,
-        help="of the KV budget, the most one client (a token, a certificate or a connection) reserves",
+        default=0.25,
+        help="of the KV budget, the most one client (a token, a certificate or a peer address) reserves",
     )
     _add_prefill_limits(g)
     _add_thin_limits(g)
