@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+from draftwire import cpus
 from draftwire.ports import PortInUse
 from draftwire_cli import configs
 from draftwire_cli.client import chat, edge, generate, reference
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     exit 2 for a command line that cannot work, 1 for a failure while running (DRAFTWIRE_DEBUG=1 shows
     the traceback of an unexpected one)."""
     args = parser().parse_args(argv)
+    cpus.sleep_while_waiting()  # before any command loads torch or llama.cpp (they read it once, at load)
     try:
         check_inputs(args)
         return {

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from draftwire import cpus
 from draftwire.contract import SamplingParams
 from draftwire.rules import adjusted_logits, choose_tokens
 from draftwire.vocab import Vocabulary, vocabulary_from_llama
@@ -24,7 +25,8 @@ from edge_client.llama_runtime import Llama
 class DrafterConfig:
     model_path: Path  # GGUF file of the draft
     n_ctx: int = 0  # context of the draft's KV cache; 0 takes the model's training context
-    n_threads: int = 0  # 0: llama.cpp's choice for this machine
+    n_threads: int = 0  # 0: one per CPU of `cpus`, or of this process's affinity (draftwire.cpus)
+    cpus: tuple[int, ...] = ()  # the CPUs the draft's threads run on (empty: the process's own)
 
 
 class VocabOnly:
@@ -50,16 +52,19 @@ class LlamaDrafter(VocabOnly):
         # time (asyncio.to_thread) starts a team per thread, and once the spinning workers outnumber
         # the cores OpenMP throttles them all: a proposal took 1.9 ms instead of 1.2 (gamma 4, demo
         # draft, 2 cores). Every propose of this drafter runs on this one thread.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        # Pinned where asked (draftwire.cpus.split): the thread's OpenMP team inherits its CPUs.
+        pin = (lambda: cpus.pin(config.cpus)) if config.cpus else None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter", initializer=pin)
+        threads = config.n_threads or (len(config.cpus) if config.cpus else cpus.threads())
         self.llm = Llama(
             model_path=str(config.model_path),
             n_ctx=config.n_ctx,
-            # A prompt or accepted run is evaluated as a batch with n_threads_batch, which llama-cpp-python
-            # sets to every core of the machine whatever n_threads says: on a device pinned to fewer
+            # llama-cpp-python's defaults count every core of the machine (half of them for n_threads,
+            # all for n_threads_batch), whatever the process's affinity: on a device pinned to fewer
             # cores (and with torch's OpenMP runtime loaded, as in the bench) its spinning workers
-            # made a 40-token eval 25x slower (7.5 s against 0.3 s). Batches use the draft's threads.
-            n_threads=config.n_threads or None,
-            n_threads_batch=config.n_threads or None,
+            # made a 40-token eval 25x slower (7.5 s against 0.3 s). One thread per usable CPU.
+            n_threads=threads,
+            n_threads_batch=threads,
             logits_all=False,
             verbose=False,
         )
