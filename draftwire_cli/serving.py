@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from draftwire import wire
+from draftwire import cpus, wire
 from draftwire_cli import configs
 from draftwire_cli.flags import UserError
 
@@ -59,10 +59,6 @@ def serve(args) -> int:
     )
     if args.ray:
         return _serve_pool(args, config)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     engine = load_target(args)
     if engine is None:
         return 2
@@ -88,8 +84,12 @@ def check_metrics_flags(args) -> None:
 def load_target(args):
     """The target engine as `--target`, `--dtype` and `--no-bit-exact` ask; None, said on stderr, where
     there are no bit-exact kernels for it."""
+    import torch
+
     from verifier_service.engine import NoInvariantKernels, TargetEngine, UnsupportedModel
 
+    # Before the load, whose checks and timings run on these threads (draftwire.cpus.threads).
+    torch.set_num_threads(getattr(args, "threads", 0) or cpus.threads())
     try:
         engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
     except NoInvariantKernels as e:
@@ -110,6 +110,10 @@ def numerics_line(engine) -> str:
     n = engine.numerics
     exact = "bit-exact" if n.exact else "not bit-exact (--no-bit-exact)"
     line = f"target {engine.info.target_id}: {n.dtype} on {n.device} with {n.kernels} kernels, {exact}"
+    if n.device == "cpu":
+        import torch
+
+        line += f", {torch.get_num_threads()} threads on {len(cpus.usable())} CPUs"
     if engine.padding:
         line += f", small calls padded to {engine.padding} rows"
     if engine.passed_over:

@@ -17,6 +17,9 @@ import os
 # Nothing in the tests may reach a model hub; fail loudly instead of downloading.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# OpenMP's threads sleep while they wait, as under the `draftwire` command (draftwire.cpus): set before
+# torch or llama.cpp loads, in this process and the servers it starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 import pytest  # noqa: E402
