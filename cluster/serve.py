@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 
 from cluster.config import PoolConfig
@@ -34,12 +35,29 @@ def run(config: PoolConfig, ray_config: RayConfig) -> None:
         ports.check_free(config.front.metrics_host or "0.0.0.0", config.front.metrics_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Replica output stays in Ray's log files (`ray logs`, the dashboard), not on this process's stdout.
-    extra = {"include_dashboard": False} if ray_config.address == "local" else {}
+    extra = {}
+    if ray_config.address == "local":
+        extra = {"include_dashboard": False}
+        _loopback_only()
     ray.init(address=ray_config.address, log_to_driver=False, **extra)
     try:
         asyncio.run(_serve(config))
     finally:
         ray.shutdown()
+
+
+def _loopback_only() -> None:
+    """A private cluster (address "local") on loopback alone, as `serve` without Ray binds: its node
+    address is 127.0.0.1, which Ray's own ports (GCS, raylet, workers, agents) and the replicas (their
+    ServerConfig host "" binds the node's) bind. Ray on Linux replaces a loopback node address with the
+    machine's reachable one unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is off: off in the environment its
+    processes inherit, and in this driver, which read it when it imported ray. A cluster joined by
+    address keeps the node address `ray start` gave it (--node-ip-address), so that nodes reach each
+    other."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 async def _serve(config: PoolConfig) -> None:
