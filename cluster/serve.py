@@ -13,6 +13,8 @@ from cluster.pool import Pool
 from draftwire import ports
 from verifier_service.grpc_kit import wait_for_stop_signal
 
+ray_log = logging.getLogger("cluster.ray")
+
 
 @dataclass(frozen=True)
 class RayConfig:
@@ -39,11 +41,26 @@ def run(config: PoolConfig, ray_config: RayConfig) -> None:
     if ray_config.address == "local":
         extra = {"include_dashboard": False}
         _loopback_only()
+    _ray_errors_to_log()
     ray.init(address=ray_config.address, log_to_driver=False, **extra)
     try:
         asyncio.run(_serve(config))
     finally:
         ray.shutdown()
+
+
+def _ray_errors_to_log() -> None:
+    """Ray's driver prints every error its cluster publishes (a replica's death, `actor is restarting`)
+    to stdout as coloured `(raylet)` lines of many lines each, whatever log_to_driver says. The pool
+    says what it does about them in one line each (`replica ... process died`, `... serving at`): Ray's
+    own go to the `cluster.ray` log at DEBUG. Ray's listener looks its printer up at each message."""
+    import ray._private.worker as ray_worker
+
+    def to_log(data: dict, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", ()):
+            ray_log.debug("%s", line)
+
+    ray_worker.print_to_stdstream = to_log
 
 
 def _loopback_only() -> None:
