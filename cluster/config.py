@@ -19,6 +19,7 @@ class ReplicaConfig:
     max_restarts: int = -1  # Ray restarts a dead replica process this often; -1 without end
     dtype: str = "auto"  # the target's dtype (TargetEngine.load)
     invariant: bool = True  # bit-exact kernels (TargetEngine.load)
+    kernels: str = "auto"  # their backend: auto, onednn, portable (TargetEngine.load)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,11 @@ class VerifierReplica:
             if self._info is None:
                 config = self.config
                 engine = await asyncio.to_thread(
-                    TargetEngine.load, config.target_dir, dtype=config.dtype, invariant=config.invariant
+                    TargetEngine.load,
+                    config.target_dir,
+                    dtype=config.dtype,
+                    invariant=config.invariant,
+                    kernels=config.kernels,
                 )
                 host = self.config.server.host or _node_ip()
                 server_config = dataclasses.replace(self.config.server, host=host, port=0)

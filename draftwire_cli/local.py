@@ -62,6 +62,7 @@ def _models_check(args) -> int:
             new_tokens=args.tokens,
             rtt_ms=args.rtt_ms,
             dtype=args.dtype,
+            kernels=args.kernels,
             log=lambda m: print(f"draftwire: {m}", file=sys.stderr, flush=True),
         )
     except (OSError, ValueError, KeyError) as e:

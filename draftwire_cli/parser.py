@@ -276,6 +276,7 @@ def _demo(sub) -> None:
         "models/demo: the small stdlib pair",
     )
     add_chat(p)
+    c.add_argument("--kernels", choices=("auto", "onednn", "portable"), default="auto", help="the target's")
     p.add_argument(
         "--web", action="store_true", help="start the edge app's web page instead of the terminal chat"
     )

@@ -91,7 +91,9 @@ def load_target(args):
     # Before the load, whose checks and timings run on these threads (draftwire.cpus.threads).
     torch.set_num_threads(getattr(args, "threads", 0) or cpus.threads())
     try:
-        engine = TargetEngine.load(args.target, dtype=args.dtype, invariant=args.invariant)
+        engine = TargetEngine.load(
+            args.target, dtype=args.dtype, invariant=args.invariant, kernels=args.kernels
+        )
     except NoInvariantKernels as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return None
@@ -147,6 +149,7 @@ def _serve_pool(args, server) -> int:
             num_cpus=args.replica_cpus,
             dtype=args.dtype,
             invariant=args.invariant,
+            kernels=args.kernels,
             num_gpus=args.replica_gpus,
         ),
         scaling=ScalingConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def id_list(text: str) -> tuple[int, ...]:
@@ -35,5 +36,13 @@ def add_target_numerics(p: argparse.ArgumentParser) -> None:
         dest="invariant",
         action="store_false",
         help="plain kernels: a position's logits then depend on what shares its forward, and the output "
-        "may differ from the target alone's at near-ties (the default kernels are bit-exact, CPU only)",
+        "may differ from the target alone's at near-ties (the default kernels are bit-exact)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("auto", "onednn", "portable"),
+        # The environment's default lets a test run (.ci/run) put every verifier it starts on a backend.
+        default=os.environ.get("DRAFTWIRE_KERNELS", "auto"),
+        help="the bit-exact kernels (auto: onednn on a CPU that has it, else portable, plain torch that "
+        "runs on any device; docs/invariance.md)",
     )

@@ -12,6 +12,7 @@ cache where it lies: nothing is gathered, copied or padded per round.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import time
@@ -27,8 +28,9 @@ from transformers.cache_utils import Cache
 from draftwire.contract import Numerics, TargetInfo
 from draftwire.vocab import vocabulary_from_hf
 from verifier_service import families
+from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
-from verifier_service.invariant import NotInvariant, exact_attention, make_invariant, softcapped_attention
+from verifier_service.invariant import NotInvariant, block_attention, make_invariant, softcapped_attention
 from verifier_service.numerics import Hardware, NoExactPath
 
 NoInvariantKernels = NoExactPath  # the name callers knew
@@ -103,7 +105,7 @@ class _Rows:
     states: list[torch.Tensor]  # per row [1, kv_heads, held positions, head_dim]
     widths: list[int]  # new positions per row
     masks: dict  # the batch's causal masks, built once for all its layers: _causal_mask's arguments -> mask
-    exact: bool = False  # invariant mode: each query in a call of its own (invariant.exact_attention)
+    exact: bool = False  # invariant mode: attention in fixed key blocks (invariant.block_attention)
 
 
 class _RowsLayer:
@@ -162,7 +164,7 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     outputs = []
     for rows, keys, values in zip(query.split(key.widths, dim=2), key.states, value.states, strict=True):
         if key.exact:
-            outputs.append(exact_attention(rows, keys, values, scaling, window, softcap))
+            outputs.append(block_attention(rows, keys, values, scaling, window, softcap))
             continue
         shape = (rows.shape[2], keys.shape[-2], window)
         if shape not in key.masks:
@@ -309,27 +311,31 @@ class TargetEngine:
         device: torch.device,
         invariant: bool = False,
         numerics: Numerics | None = None,
+        kernels: str = "auto",
     ):
         """`invariant`: each position's logits bitwise independent of what else is in the forward
-        (verifier_service/invariant.py); raises ValueError where there are no kernels for that, and
-        NotInvariant where the kernels' check fails on this machine. `numerics`: what the engine
-        reports as its numerics identity (default: read off this machine)."""
+        (verifier_service/invariant.py), on the `kernels` backend (auto, onednn, portable); raises
+        ValueError where there are no kernels for that, and NotInvariant where the kernels' check fails
+        on this machine. `numerics`: what the engine reports as its numerics identity (default: read off
+        this machine)."""
         try:
             model.set_attn_implementation(ROWS_ATTENTION)
         except ValueError as e:  # a model without attention layers transformers can route (recurrent)
             raise UnsupportedModel(f"the verifier cannot run {model.config.model_type} models: {e}") from e
-        # Invariant mode pads a small call's rows to the fastest minimum here (invariant.choose_padding).
-        self.padding = make_invariant(model) if invariant else None
+        self.kernels = invariant_.resolve(kernels, model.dtype, device) if invariant else None
+        # onednn pads a small call's rows to the fastest minimum here (invariant.choose_padding).
+        self.padding = make_invariant(model, self.kernels) if invariant else None
         self.invariant = invariant
         self.model = model
         self.info = info
         self.device = device
         dtype = str(model.dtype).removeprefix("torch.")
-        self.numerics = numerics or Hardware.detect(device.type).numerics(dtype, invariant)
+        self.numerics = numerics or Hardware.detect(device.type).numerics(dtype, invariant, self.kernels)
         self.passed_over: tuple[str, ...] = ()  # faster dtypes `load` tried and found not exact here
         self._layers = model.config.get_text_config().num_hidden_layers
         self._caches: dict[str, _Cache] = {}
         self.prefix_cache = PrefixCache(PrefixCacheConfig())  # keeps nothing until configured
+        self.tokenizer = None  # the target's transformers tokenizer, from `load`: structured output's
 
     @classmethod
     def load(
@@ -339,12 +345,14 @@ class TargetEngine:
         dtype: str = "auto",
         invariant: bool = True,
         hardware: Hardware | None = None,
+        kernels: str = "auto",
     ) -> TargetEngine:
         """Loads a transformers model directory in `dtype` ("float32", "bfloat16", or "auto": bfloat16
         where the CPU computes it natively, else float32, verifier_service/numerics.py), in invariant
-        mode unless asked not to (`invariant=False` gives up bit-exactness against `reference`). In
-        invariant mode the dtype is proven at load: the kernels' check, then `check_invariance`; auto
-        falls back to the next dtype where that fails.
+        mode unless asked not to (`invariant=False` gives up bit-exactness against `reference`), on the
+        `kernels` backend (auto: onednn on a CPU that has it, else portable). In invariant mode the
+        dtype is proven at load: the kernels' checks, then `check_invariance`; auto falls back to the
+        next dtype where that fails, with the copy of the one before freed first.
 
         Every engine is also checked against the model's own forward (`check_conformance`), in both
         modes.
@@ -357,7 +365,7 @@ class TargetEngine:
         model_dir = Path(model_dir)
         hardware = hardware or Hardware.detect(device)
         dev = torch.device(device or hardware.device)
-        candidates = numerics_.plan(dtype, hardware, invariant)
+        candidates = numerics_.plan(dtype, hardware, invariant, kernels)
         refusal = families.refusal(AutoConfig.from_pretrained(model_dir).model_type)
         if refusal is not None:
             raise UnsupportedModel(refusal)
@@ -367,24 +375,25 @@ class TargetEngine:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, name))
             model = model.to(dev).eval()
             info = target_info(model_name(model_dir), tokenizer, model.config)
+            chosen = invariant_.resolve(kernels, model.dtype, dev) if invariant else None
             try:
-                engine = cls(model, info, dev, invariant, hardware.numerics(name, invariant))
+                numerics = hardware.numerics(name, invariant, chosen)
+                engine = cls(model, info, dev, invariant, numerics, kernels)
                 engine.check_conformance()
                 if invariant:
                     engine.check_invariance()
-            except NotInvariant as e:
-                passed_over.append(f"{name}: {e}")
-                continue
-            except UnsupportedModel as e:
+            except (NotInvariant, UnsupportedModel) as e:
                 # A lower precision can miss the model's own forward by more than its tolerance where
                 # float32 meets it (Qwen2.5-1.5B in bfloat16: 5.9e-2 of the logits' range): auto tries
                 # the next dtype; the last one, or a dtype asked for by name, refuses.
-                if name == candidates[-1]:
+                if isinstance(e, UnsupportedModel) and name == candidates[-1]:
                     raise
                 passed_over.append(f"{name}: {e}")
                 model = engine = None  # freed before the next dtype's copy loads
+                gc.collect()
                 continue
             engine.passed_over = tuple(passed_over)
+            engine.tokenizer = tokenizer
             return engine
         raise NoExactPath(
             f"no dtype is bit-exact on this machine ({'; '.join(passed_over)}): run with --no-bit-exact, "
@@ -426,34 +435,55 @@ class TargetEngine:
                 f"(logits off by {error:.1e} of their range in {self.numerics.dtype})"
             )
 
-    def check_invariance(self, prompt: int = 6, gamma: int = 4, seed: int = 0) -> None:
+    def check_invariance(self, prompt: int = 6, gamma: int = 4, seed: int = 0, long: int = 1100) -> None:
         """Proves invariant mode on this machine with the real model: the logits of γ + 1 positions
         computed one forward each equal, bit for bit, the same positions inside one γ + 1 forward and
-        inside a ragged batch beside another session. Raises NotInvariant otherwise. Costs about
-        4 (γ + 1) + 2 prompt positions of forward."""
+        inside a ragged batch beside another session, after a short prompt and after a long context
+        (`long` positions, past 1,024 keys and several key blocks, held as random keys and values so
+        that the proof costs no long prefill). Raises NotInvariant otherwise. Costs about
+        8 (γ + 1) + 4 prompt positions of forward."""
         generator = torch.Generator().manual_seed(seed)
         size = self.info.vocabulary.size
-        ids = torch.randint(0, size, (2, prompt + gamma + 1), generator=generator).tolist()
-        head, new = ids[0][:prompt], ids[0][prompt:]
+        long = min(long, self.info.max_context - 2 * (gamma + 1))
         keys = [f"check-invariance-{i}" for i in range(4)]
         try:
-            for key in keys[:3]:
-                self.forward(key, 0, head, wants_logits=False)
-            alone = torch.cat([self.forward(keys[0], prompt + i, [t]) for i, t in enumerate(new)])
-            round_ = self.forward(keys[1], prompt, new)
-            self.forward(keys[3], 0, ids[1][:prompt], wants_logits=False)
-            batch = self.forward_many(
-                [Forward(keys[2], prompt, tuple(new)), Forward(keys[3], prompt, (ids[1][prompt],))]
-            )
-            for where, logits in (("a γ + 1 forward", round_), ("a batch", batch[0])):
-                if not torch.equal(logits, alone):
-                    raise NotInvariant(
-                        f"{self.numerics.dtype} logits inside {where} differ from the same positions "
-                        "computed one at a time on this machine"
-                    )
+            for context in (prompt, long):
+                ids = torch.randint(0, size, (2, context + gamma + 1), generator=generator).tolist()
+                for key, row in zip(keys, (0, 0, 0, 1), strict=True):
+                    if context == prompt:
+                        self.forward(key, 0, ids[row][:context], wants_logits=False)
+                    else:
+                        self._fill(key, ids[row][:context], generator)
+                new = ids[0][context:]
+                alone = torch.cat([self.forward(keys[0], context + i, [t]) for i, t in enumerate(new)])
+                round_ = self.forward(keys[1], context, new)
+                batch = self.forward_many(
+                    [Forward(keys[2], context, tuple(new)), Forward(keys[3], context, (ids[1][context],))]
+                )
+                for where, logits in (("a γ + 1 forward", round_), ("a batch", batch[0])):
+                    if not torch.equal(logits, alone):
+                        raise NotInvariant(
+                            f"{self.numerics.dtype} logits inside {where} differ from the same positions "
+                            f"computed one at a time on this machine (after {context} positions)"
+                        )
         finally:
             for key in keys:
                 self._caches.pop(key, None)
+
+    def _fill(self, key: str, tokens: list[int], generator: torch.Generator) -> None:
+        """Session `key` holding `tokens` with random keys and values (the same for the same generator
+        state and tokens' count): a long context for a check, without its prefill."""
+        config = self.model.config.get_text_config()
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        state = generator.get_state()
+        cache = self._cut(key, 0)
+        for layer in cache.layers:
+            shape = (1, kv_heads, len(tokens), head_dim)
+            states = [torch.randn(shape, generator=generator).to(self.device, self.model.dtype) for _ in "kv"]
+            layer.append(*states)
+        cache.tokens[:] = tokens
+        generator.set_state(state)
 
     @property
     def active_sessions(self) -> int:

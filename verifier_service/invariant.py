@@ -1,66 +1,78 @@
-"""Invariant mode for the target on CPU: kernels that give a row the same result whatever shares the call.
+"""Invariant mode for the target: kernels that give a row the same result whatever shares the call.
 
 A position's logits must be a function of its token, its position and the cache before it, bit for bit,
-whatever else is in the forward (the other positions of its round, other sessions' rows, padding). With
-torch's defaults on CPU two kinds of op break that (measured on SmolLM2-135M, torch 2.13, MKL 2024.2,
-oneDNN 3.12, a Xeon with AVX-512 and AMX, and an AMD EPYC with AVX512-BF16; see
+whatever else is in the forward (the other positions of its round, other sessions' rows, padding, a
+prefill's other positions). With torch's defaults two kinds of op break that (measured on CPU with torch
+2.13, MKL and oneDNN, on Xeons with AVX-512 and AMX and AMD EPYCs with AVX512-BF16; see
 tests/unit/test_invariant_kernels.py):
 
-- `F.linear`. In float32 it goes to MKL, which runs one row as a gemv and more rows as a gemm with a
-  blocking that changes again with the row count and the thread count. In bfloat16 it goes to oneDNN
-  (AMX), which re-lays out the weight on every call in a layout picked for that row count: invariant
-  up to 32 rows, not beyond.
-- `scaled_dot_product_attention`. It blocks its queries, and its result also changes with the number of
-  keys (a masked tail is not the same as a shorter key set) and with whether a mask is given, in both
-  dtypes.
+- `F.linear`. In float32 it goes to MKL, which runs one row as a gemv and more rows as a gemm whose
+  blocking changes with the row count. In bfloat16 it goes to oneDNN, which re-lays out the weight on
+  every call in a layout picked for that row count.
+- `scaled_dot_product_attention`. Its flash kernel blocks queries and keys by their counts, so a query's
+  reduction over its keys changes with how many keys and queries the call holds.
 
-RMSNorm, rotary embeddings, SiLU, softmax across rows, embeddings and residual adds compute each row
-alike whatever the row count (measured; the model-level check in the tests covers them).
+RMSNorm, rotary embeddings, SiLU, embeddings and residual adds compute each row alike whatever the row
+count (measured; the model-level check at load covers them).
 
-What this module puts in their place:
+What this module puts in their place, as two backends (`--kernels`):
 
-- `packed_linear` (`InvariantLinear`, and `InvariantConv1D` for GPT-2's transposed linear layers): the
-  weight is packed once into oneDNN's blocked layout for a
-  fixed row hint, and every call runs oneDNN's inner product on it, in chunks of at most `max_rows` rows
-  and at least `min_rows` (zero-padded). With the layout fixed, the kernel reduces every output over
-  the inner dimension in the same order for any row count inside those bounds. That is a property of
-  the library and the CPU, not a documented promise, so `make_invariant` checks it on the model's
-  shapes at load (`check_linear`). It is also faster than `F.linear`: bfloat16 weights are no longer
-  re-laid out on every call.
-- `exact_attention`: each query attends in a call of its own, over exactly the keys it sees, without a
-  mask: precisely the call a one-position forward makes, so the result cannot depend on the others.
-  Soft-capped scores (Gemma 2) take `softcapped_attention`, written out, in the same one-query calls.
+- Linear layers run in calls of a bounded number of rows, padded with zero rows up to a minimum, inside
+  the range where the library reduces every output over the inner dimension in the same order:
+  - `onednn` (CPU): the weight packed once into oneDNN's blocked layout, each call oneDNN's inner
+    product on it (`packed_linear`); the packed weight replaces the original, so the weights are held
+    once. Measured invariant from 2 to 512 rows in float32, 1 to 129 in bfloat16.
+  - `portable` (any device, plain torch): `F.linear` on the model's own weight, every call of the same
+    shape (PORTABLE_ROWS rows, padded), so that the library picks the same kernel and the same blocking
+    every time. Row counts alone do not do it: MKL's float32 gemm changed a row's bits between 5 and 6
+    rows on small shapes.
+- Attention (`block_attention`, both backends, plain torch): all queries of a call at once, each over
+  the keys in fixed blocks of KEY_BLOCK positions in position order. Scores are one matrix product per
+  chunk of queries (the reduction is over the head dimension alone), the softmax runs over each query's
+  row of whole blocks (masked keys are -inf, so trailing blocks add exact zeros and the vector lanes of
+  the row's reductions never move), and the values are summed one block at a time, in order, so the
+  reduction over keys never depends on how many keys or queries the call holds.
+
+None of that is a documented promise of the libraries, so the load proves it on the machine that serves
+(`check_linear` on the model's shapes, `check_attention`, then the engine's model-level check).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-# Per dtype: (the row count the weight is packed for, the fewest rows of one oneDNN call, the most).
+from verifier_service.numerics import KERNELS
+
+BACKENDS = tuple(k for k in KERNELS if k != "auto")
+
+# onednn, per dtype: (the row count the weight is packed for, the fewest rows of one call, the most).
 # float32: in the layout packed for 32 rows, oneDNN's one-row kernel differs from its many-row one, so a
-# lone row is padded to two; measured invariant from 2 to 512 rows. bfloat16: the layout packed for one
-# row (AB16b64a2b) measured invariant from 1 to 129 rows on every SmolLM2 shape on a Xeon with AMX (the
-# 1536-wide down projection changes at 130; the layout packed for 32 rows changes at 33). On an AMD EPYC
-# with AVX512-BF16 and no AMX, oneDNN's one-row kernel differs from its many-row one there (the 1536 -> 576
-# down projection), as in float32: padding a lone row to two is invariant on both CPUs, at any row hint.
-# Fewer rows than a minimum are padded to it, inside the invariant range, so the same bits whichever
-# minimum: PADDINGS are the minimums tried, and `make_invariant` times a lone row through the model's
-# linear layers at each and keeps the faster (`choose_padding`). Which wins is the CPU's: on one AMD EPYC
-# with AVX512-BF16 (float32, one core, Qwen2.5-1.5B) oneDNN's 2-row kernel was the slower (a one-position
-# forward 584 ms padded to 2, 401 ms padded to 4), on another the faster (180 against 201 ms);
-# docs/benchmarks.md, "Small forwards padded to 4 rows" and "The padding timed at load". The policy's
-# minimum serves calls made outside a model put in invariant mode.
+# lone row is padded; measured invariant from 2 to 512 rows. bfloat16: the layout packed for one row
+# measured invariant from 1 to 129 rows on a Xeon with AMX; on an AMD EPYC with AVX512-BF16 and no AMX
+# the one-row kernel differs from the many-row one, as in float32, so a lone row is padded there too.
+# PADDINGS are the minimums tried: `make_invariant` times a lone row through the model's linear layers
+# at each and keeps the faster (`choose_padding`); which wins is the CPU's (docs/portability.md).
 ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
     torch.float32: (32, 4, 256),
     torch.bfloat16: (1, 4, 128),
 }
 PADDINGS = (2, 4)
+# portable: the rows of every call, per device type. A decode pads its one row to this many, which a
+# GPU does not feel; on CPU, where a row costs compute, fewer.
+PORTABLE_ROWS = {"cpu": 16}
+PORTABLE_ROWS_ELSEWHERE = 64
+
+KEY_BLOCK = 256  # keys per block of the reduction over keys (a matrix product over 384 keys is split)
+QUERY_CHUNK = 256  # query positions per chunk of attention (bounds the scores' memory)
+MIN_QUERY_ROWS = 2  # a lone query row is padded: one row is a gemv, whose reduction differs
 
 
 class NotInvariant(RuntimeError):
@@ -68,7 +80,7 @@ class NotInvariant(RuntimeError):
 
 
 def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether this module has kernels for the dtype on the device: CPU with oneDNN only, and for
+    """Whether the onednn backend has kernels for the dtype on the device: CPU with oneDNN only, and for
     bfloat16 a CPU on which oneDNN runs bfloat16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not plain AVX2)."""
     if (
         torch.device(device).type != "cpu"
@@ -77,6 +89,42 @@ def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     ):
         return False
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve(kernels: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """The backend that `--kernels` names for this dtype on this device: auto takes onednn where it has
+    kernels, else portable. Raises ValueError for an unknown name, or onednn where it has none."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
+    if kernels == "auto":
+        return "onednn" if supported(dtype, device) else "portable"
+    if kernels == "onednn" and not supported(dtype, device):
+        raise ValueError(f"--kernels onednn has no {dtype} kernels on {device}: use portable")
+    return kernels
+
+
+def portable_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[int, int]:
+    """(fewest, most) rows of one portable linear call for the dtype on the device: the same, one shape
+    for every call."""
+    rows = PORTABLE_ROWS.get(torch.device(device).type, PORTABLE_ROWS_ELSEWHERE)
+    return rows, rows
+
+
+def in_row_chunks(
+    x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor], min_rows: int, max_rows: int
+) -> torch.Tensor:
+    """`linear` over x's rows in calls of `min_rows` to `max_rows` rows, a short call padded with zero
+    rows that are dropped again.  # x [..., in] -> [..., out]"""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    n = rows.shape[0]
+    outs = []
+    for start in range(0, n, max_rows):
+        chunk = rows[start : start + max_rows]
+        if chunk.shape[0] < min_rows:
+            chunk = torch.cat([chunk, chunk.new_zeros(min_rows - chunk.shape[0], chunk.shape[1])])
+        outs.append(linear(chunk)[: n - start])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -92,47 +140,48 @@ def packed_linear(
     rows and their number. A call of fewer than `min_rows` rows (default: the dtype's ROW_POLICY) runs
     padded to that many.  # x [..., in] -> [..., out]"""
     _, default_rows, max_rows = ROW_POLICY[x.dtype]
-    min_rows = min_rows or default_rows
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    n = rows.shape[0]
-    outs = []
-    for start in range(0, n, max_rows):
-        chunk = rows[start : start + max_rows]
-        if chunk.shape[0] < min_rows:  # the padding rows are dropped below
-            chunk = torch.cat([chunk, chunk.new_zeros(min_rows - chunk.shape[0], chunk.shape[1])])
-        out = torch.ops.mkldnn._linear_pointwise(chunk, packed, bias, "none", [], "")
-        outs.append(out[: n - start])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def call(chunk: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(chunk, packed, bias, "none", [], "")
+
+    return in_row_chunks(x, call, min_rows or default_rows, max_rows)
 
 
-class InvariantLinear(nn.Linear):
-    """nn.Linear running `packed_linear`. `make_invariant` swaps the class of existing nn.Linear modules,
-    so parameters, tied weights and state_dict stay as they were; the packed copy is no parameter and
-    must be rebuilt (`repack`) if the weight changes."""
+class _InvariantMixin:
+    """What the invariant linear layers share: `packed` (onednn) or None (portable, the module's own
+    weight), and the rows of one call."""
 
-    packed: torch.Tensor
-    min_rows: int | None = None  # set by make_invariant (choose_padding); None: ROW_POLICY's
+    packed: torch.Tensor | None = None
+    min_rows: int | None = None  # set by make_invariant; None: ROW_POLICY's (onednn)
+    max_rows: int | None = None  # portable only
+
+    def _weight_out_in(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def repack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self._weight_out_in())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias, self.min_rows)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias, self.min_rows)
+        weight = self._weight_out_in()
+        return in_row_chunks(x, lambda c: F.linear(c, weight, self.bias), self.min_rows, self.max_rows)
 
 
-class InvariantConv1D(Conv1D):
-    """transformers' Conv1D (GPT-2's projections: a linear layer whose weight is stored [in, out]) running
-    `packed_linear` on the transposed weight, swapped in like InvariantLinear."""
+class InvariantLinear(_InvariantMixin, nn.Linear):
+    """nn.Linear in invariant mode. `make_invariant` swaps the class of existing nn.Linear modules, so
+    parameters and tied weights stay as they were (onednn then releases a weight nothing else holds)."""
 
-    packed: torch.Tensor
-    min_rows: int | None = None
+    def _weight_out_in(self) -> torch.Tensor:
+        return self.weight
 
-    def repack(self) -> None:
-        self.packed = pack_weight(self.weight.t())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias, self.min_rows)
+class InvariantConv1D(_InvariantMixin, Conv1D):
+    """transformers' Conv1D (GPT-2's projections: a linear layer whose weight is stored [in, out]) in
+    invariant mode, swapped in like InvariantLinear."""
+
+    def _weight_out_in(self) -> torch.Tensor:
+        return self.weight.t()
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:
@@ -144,46 +193,71 @@ def _shape(module: nn.Module) -> tuple[int, int]:
 _INVARIANT = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
 
 
-def make_invariant(model: nn.Module, check: bool = True, padding: int | None = None) -> int:
-    """Puts a loaded transformers model (on CPU, already in its final dtype) into invariant mode: every
-    plain nn.Linear (attention projections, MLP, lm_head) and transformers Conv1D (GPT-2's) runs
-    `packed_linear`, small calls padded to `padding` rows (None: whichever of PADDINGS is faster here,
-    timed). Attention is the caller's to route through `exact_attention`. Returns the padding.
+def make_invariant(
+    model: nn.Module, kernels: str = "auto", check: bool = True, padding: int | None = None
+) -> int:
+    """Puts a loaded transformers model (already on its device, in its final dtype) into invariant mode:
+    every plain nn.Linear (attention projections, MLP, lm_head) and transformers Conv1D (GPT-2's) runs
+    on the `kernels` backend. onednn packs each weight, releases the original where nothing else holds it
+    (a tied lm_head keeps the embedding's), and pads small calls to `padding` rows (None: whichever of
+    PADDINGS is faster here, timed); portable calls F.linear in the device's row range. Attention is the
+    caller's to route through `block_attention`. Returns the fewest rows of a call.
 
-    Raises ValueError for a dtype or device without kernels here; NotInvariant when `check` finds
-    oneDNN not row-invariant on this machine for the model's shapes at that padding (then the mode
+    Raises ValueError for a backend without kernels for the model's dtype and device; NotInvariant when
+    `check` finds the kernels not row-invariant on this machine for the model's shapes (then the mode
     cannot be trusted, and the model is left half converted: load it again).
     """
     kinds = {*_INVARIANT, *_INVARIANT.values()}
     linears = [m for m in model.modules() if type(m) in kinds]
+    weight = linears[0].weight if linears else next(model.parameters())
+    backend = resolve(kernels, weight.dtype, weight.device)
     for module in linears:
-        if not supported(module.weight.dtype, module.weight.device):
+        if backend == "onednn" and not supported(module.weight.dtype, module.weight.device):
             raise ValueError(
                 f"invariant mode has no kernels for {module.weight.dtype} on {module.weight.device}"
             )
-    for module in linears:
         module.__class__ = _INVARIANT.get(type(module), type(module))
-        module.repack()
-    padding = padding or choose_padding(time_paddings(linears))
-    set_padding(model, padding)
+    if backend == "portable":
+        low, high = portable_rows(weight.dtype, weight.device)
+        for module in linears:
+            module.packed, module.min_rows, module.max_rows = None, low, high
+        padding = low
+    else:
+        holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        for module in linears:
+            module.repack()
+            if holders[id(module.weight)] == 1:
+                _release_weight(module)
+        padding = padding or choose_padding(time_paddings(linears))
+        set_padding(model, padding)
     if check:
         for dtype in {m.weight.dtype for m in linears}:
-            check_linear(dtype, {_shape(m) for m in linears if m.weight.dtype == dtype}, min_rows=padding)
+            shapes = {_shape(m) for m in linears if m.weight.dtype == dtype}
+            check_linear(dtype, shapes, min_rows=padding, kernels=backend, device=weight.device)
+        check_attention(weight.dtype, weight.device)
     return padding
 
 
+def _release_weight(module: nn.Module) -> None:
+    """Replaces a packed layer's own weight by a placeholder of its shape and dtype that holds one
+    element: the packed copy is the one the layer computes with, so the weights are held once."""
+    w = module.weight
+    placeholder = torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape)
+    module.weight = nn.Parameter(placeholder, requires_grad=False)
+
+
 def set_padding(model: nn.Module, rows: int) -> None:
-    """Small calls of the model's invariant layers padded to `rows` from now on (one of PADDINGS: inside
+    """Small calls of the model's onednn layers padded to `rows` from now on (one of PADDINGS: inside
     the invariant range, so the same bits)."""
     for module in model.modules():
-        if isinstance(module, (InvariantLinear, InvariantConv1D)):
+        if isinstance(module, _InvariantMixin) and module.packed is not None:
             module.min_rows = rows
 
 
 def time_paddings(linears: list[nn.Module], repeats: int = 3) -> dict[int, float]:
-    """Seconds of one row through every layer of `linears` (in invariant mode), per padding of PADDINGS:
-    the median of `repeats`, the paddings taking turns. A whole pass reads every weight, as a forward of
-    one position does (0.2-0.6 s for a 1.5B model in float32 on one core)."""
+    """Seconds of one row through every layer of `linears` (packed), per padding of PADDINGS: the median
+    of `repeats`, the paddings taking turns. A whole pass reads every weight, as a forward of one
+    position does (0.2-0.6 s for a 1.5B model in float32 on one core)."""
     rows = {id(m): torch.zeros(1, _shape(m)[0], dtype=m.weight.dtype) for m in linears}
     seconds: dict[int, list[float]] = {p: [] for p in PADDINGS}
     with torch.no_grad():
@@ -201,36 +275,50 @@ def choose_padding(seconds: Mapping[int, float]) -> int:
     return min(seconds, key=lambda p: (seconds[p], -p))
 
 
+def _linear_of(
+    weight: torch.Tensor, kernels: str, min_rows: int | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T on the backend, as a model's layer in invariant mode computes it."""
+    if kernels == "onednn":
+        packed = pack_weight(weight)
+        return lambda x: packed_linear(x, packed, None, min_rows)
+    low, high = portable_rows(weight.dtype, weight.device)
+    return lambda x: in_row_chunks(x, lambda c: F.linear(c, weight), min_rows or low, high)
+
+
 def check_linear(
-    dtype: torch.dtype, shapes: Iterable[tuple[int, int]], seed: int = 0, min_rows: int | None = None
+    dtype: torch.dtype,
+    shapes: Iterable[tuple[int, int]],
+    seed: int = 0,
+    min_rows: int | None = None,
+    kernels: str = "onednn",
+    device: torch.device | str = "cpu",
 ) -> None:
-    """Raises NotInvariant unless `packed_linear`, padding to `min_rows`, gives rows bitwise the same
-    result alone as among others, on random data, for each (in_features, out_features): every row count
-    up to 65 and some up to two chunks on small shapes, a few up to one chunk on large ones (an lm_head).
-    About a second."""
-    _, _, max_rows = ROW_POLICY[dtype]
-    few = [1, 2, 3, 5, 9, 17, 33, 65, max_rows]
-    every = sorted(set(range(1, 66)) | {100, max_rows - 1, max_rows, max_rows + 1, 2 * max_rows + 1})
+    """Raises NotInvariant unless the backend's linear layer gives rows bitwise the same result alone
+    as among others, on random data, for each (in_features, out_features): every row count up to 65 and
+    some up to two calls on small shapes, a few up to one call on large ones (an lm_head). About a
+    second on CPU."""
+    most = ROW_POLICY[dtype][2] if kernels == "onednn" else portable_rows(dtype, device)[1]
+    few = sorted({1, 2, 3, 5, 9, 17, 33, 65, most})
+    every = sorted(set(range(1, 66)) | {100, most - 1, most, most + 1, 2 * most + 1} - {0})
     generator = torch.Generator().manual_seed(seed)
     for fan_in, fan_out in sorted(shapes):
         counts = every if fan_in * fan_out <= 4 << 20 else few
-        weight = (torch.randn(fan_out, fan_in, generator=generator) / fan_in**0.5).to(dtype)
-        x = torch.randn(max(counts), fan_in, generator=generator).to(dtype)
-        packed = pack_weight(weight)
+        weight = (torch.randn(fan_out, fan_in, generator=generator) / fan_in**0.5).to(device, dtype)
+        x = torch.randn(max(counts), fan_in, generator=generator).to(device, dtype)
+        linear = _linear_of(weight, kernels, min_rows)
         # Row i alone, for the first and last row of each count (all rows would cost seconds on an lm_head).
-        alone = {
-            i: packed_linear(x[i : i + 1], packed, None, min_rows) for i in {0} | {n - 1 for n in counts}
-        }
+        alone = {i: linear(x[i : i + 1]) for i in {0} | {n - 1 for n in counts}}
         for n in counts:
-            out = packed_linear(x[:n], packed, None, min_rows)
+            out = linear(x[:n])
             if not (torch.equal(out[:1], alone[0]) and torch.equal(out[n - 1 : n], alone[n - 1])):
                 raise NotInvariant(
-                    f"oneDNN's {dtype} inner product is not row-invariant on this machine "
+                    f"the {kernels} {dtype} linear layer is not row-invariant on this machine "
                     f"({n} rows, {fan_in} -> {fan_out})"
                 )
 
 
-def exact_attention(
+def block_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -238,28 +326,86 @@ def exact_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one session's new positions over its cache, one query per call over exactly
-    the keys it sees (no mask): each output is what a one-position forward computes for that position.
+    """Causal attention of one session's new positions over its cache, whose result for each query is
+    the same bits whatever else the call holds: how many queries, how many keys past the query's own.
+    Computed in float32 whatever the dtype.
 
     query [1, heads, n, head_dim]: the last n of the `held` positions of keys and values
     keys, values [1, kv_heads, held, head_dim]; fewer kv_heads than heads is grouped-query attention
     window: a sliding window's width, or None
     softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), or None
-    returns [1, n, heads, head_dim]
+    returns [1, n, heads, head_dim] in the query's dtype
     """
-    n, held = query.shape[-2], keys.shape[-2]
-    outs = []
-    for j in range(n):
-        end = held - n + j + 1  # this query's position + 1
-        start = 0 if window is None else max(0, end - window)
-        one = (query[:, :, j : j + 1], keys[:, :, start:end], values[:, :, start:end])
-        if softcap is None:
-            out = torch.nn.functional.scaled_dot_product_attention(*one, scale=scaling, enable_gqa=True)
-        else:
-            out = softcapped_attention(*one, scaling, softcap)
-        outs.append(out)
-    out = outs[0] if n == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2)
+    _, heads, n, dim = query.shape
+    kv_heads, held = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    first = held - n  # the position of the first query
+    q = query[0].float().reshape(kv_heads, group, n, dim) * scale
+    out = query.new_empty(kv_heads, group, n, dim)
+    for a in range(0, n, QUERY_CHUNK):
+        b = min(n, a + QUERY_CHUNK)
+        m = b - a
+        # Whole key blocks from the first any query of the chunk sees to the last query's own.
+        lo = 0 if window is None else max(0, first + a + 1 - window) // KEY_BLOCK * KEY_BLOCK
+        hi = -(-(first + b) // KEY_BLOCK) * KEY_BLOCK
+        k = _blocks(keys[0], lo, hi)  # [kv_heads, hi - lo, dim] float32, zeros past `held`
+        v = _blocks(values[0], lo, hi)
+        rows = q[:, :, a:b].reshape(kv_heads, group * m, dim)
+        if group * m < MIN_QUERY_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(kv_heads, MIN_QUERY_ROWS - group * m, dim)], 1)
+        scores = torch.matmul(rows, k.transpose(1, 2))  # [kv_heads, rows, hi - lo]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        pos = torch.arange(first + a, first + b, device=query.device)[:, None]  # [m, 1]
+        key_pos = torch.arange(lo, hi, device=query.device)[None, :]
+        hidden = key_pos > pos
+        if window is not None:
+            hidden |= key_pos <= pos - window
+        real = scores[:, : group * m].view(kv_heads, group, m, hi - lo)
+        real.masked_fill_(hidden, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        total = torch.matmul(weights[..., :KEY_BLOCK], v[:, :KEY_BLOCK])
+        for start in range(KEY_BLOCK, hi - lo, KEY_BLOCK):
+            end = start + KEY_BLOCK
+            total += torch.matmul(weights[..., start:end], v[:, start:end])
+        out[:, :, a:b] = total[:, : group * m].view(kv_heads, group, m, dim)
+    return out.reshape(heads, n, dim).transpose(0, 1)[None]
+
+
+def _blocks(states: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Positions lo..hi of one layer's keys or values in float32, zero past the held ones.
+    # states [kv_heads, held, dim] -> [kv_heads, hi - lo, dim]"""
+    held = states.shape[1]
+    part = states[:, lo : min(hi, held)].float()
+    if hi > held:
+        part = F.pad(part, (0, 0, 0, hi - held))
+    return part
+
+
+def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    """Raises NotInvariant unless `block_attention` gives each query the same bits alone (a decode), as
+    the last of a γ + 1 call (a round), and inside a whole prefill, at short and long context (past
+    1,024 keys, across several key blocks and query chunks), with grouped-query heads, and with and
+    without a sliding window. About a second on CPU."""
+    generator = torch.Generator().manual_seed(seed)
+    held = 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37  # 1,317 positions
+    for heads, kv_heads, dim, window in ((6, 2, 64, None), (4, 4, 32, 300)):
+        q, k, v = (
+            torch.randn(1, h, held, dim, generator=generator).to(device, dtype)
+            for h in (heads, kv_heads, kv_heads)
+        )
+        whole = block_attention(q, k, v, None, window)
+        for p in (0, 1, 4, KEY_BLOCK - 1, KEY_BLOCK, QUERY_CHUNK + 3, 1024, 1100, held - 1):
+            seen = slice(0, p + 1)
+            alone = block_attention(q[:, :, p : p + 1], k[:, :, seen], v[:, :, seen], None, window)
+            start = max(0, p - 4)
+            round_ = block_attention(q[:, :, start : p + 1], k[:, :, seen], v[:, :, seen], None, window)
+            if not (torch.equal(alone[0, 0], whole[0, p]) and torch.equal(alone[0, 0], round_[0, -1])):
+                raise NotInvariant(
+                    f"{dtype} attention at position {p} differs alone, in a round and in a prefill "
+                    "on this machine"
+                )
 
 
 def softcapped_attention(
@@ -271,7 +417,8 @@ def softcapped_attention(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention whose scores are capped softly, softcap * tanh(q.k * scaling / softcap), as Gemma 2
-    defines it (scaled_dot_product_attention has no such step); the softmax runs in float32.
+    defines it (scaled_dot_product_attention has no such step); the plain path's, with a mask; the
+    softmax runs in float32.
 
     query [1, heads, n, head_dim]; keys, values [1, kv_heads, held, head_dim]
     mask: [n, held] bool (True: seen), or None for all

@@ -7,7 +7,8 @@ has is a question for the hardware, asked at run time, never at build time:
 - oneDNN's bfloat16 inner product needs avx512bw + avx512vl + avx512dq, or avx_ne_convert (its own
   error message says so); without them it raises at the first call. Its float32 one runs on any x86-64
   (and on ARM through torch's oneDNN build).
-- CUDA has no invariant kernels here: `--no-bit-exact` only.
+- The portable backend (`--kernels portable`, plain torch) runs wherever torch does, CUDA included;
+  auto takes it where oneDNN has no kernels. The proof at load decides whether it is exact there.
 
 `plan` (pure, the hardware passed in, so every branch is tested on every machine) turns a requested dtype
 into the dtypes to try, best first, or refuses with one line that names the missing CPU feature and the
@@ -29,6 +30,7 @@ from pathlib import Path
 from draftwire.contract import Numerics
 
 DTYPES = ("auto", "float32", "bfloat16")
+KERNELS = ("auto", "onednn", "portable")  # verifier_service/invariant.py's backends, and auto
 # oneDNN's bfloat16 path needs one of these sets of CPU features (its error: "bf16 path needs the cpu
 # support avx_ne_convert or avx512bw, avx512vl and avx512dq").
 BF16_FEATURES = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
@@ -48,19 +50,24 @@ class Hardware:
     onednn: bool = True  # torch was built with oneDNN (mkldnn)
     onednn_bf16: bool = False  # oneDNN's bfloat16 kernels run on this CPU
     machine: str = "x86_64"  # platform.machine()
+    accelerator: str = ""  # the GPU's model where device is one ("NVIDIA_H200"): its bits are its own
 
     @classmethod
     def detect(cls, device: str | None = None) -> Hardware:
         import torch
 
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         onednn = torch.backends.mkldnn.is_available()
+        accelerator = ""
+        if dev.type == "cuda":
+            accelerator = "_".join(torch.cuda.get_device_name(dev).replace("/", " ").split())
         return cls(
-            device=str(torch.device(dev).type),
+            device=str(dev.type),
             cpu_flags=cpu_flags(),
             onednn=onednn,
             onednn_bf16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             machine=platform.machine(),
+            accelerator=accelerator,
         )
 
     @property
@@ -76,18 +83,20 @@ class Hardware:
             return ()
         return tuple(f for needs in BF16_FEATURES for f in needs if f not in self.cpu_flags)
 
-    def kernel_class(self, exact: bool) -> str:
-        """The kernels that compute the logits, named by what changes their bits: oneDNN's ISA on a CPU
-        in exact mode (it dispatches by ISA, and AMX, AVX-512 and AVX2 kernels reduce differently),
-        torch's own kernels otherwise."""
+    def kernel_class(self, exact: bool, kernels: str | None = None) -> str:
+        """The kernels that compute the logits, named by what changes their bits: in exact mode the
+        backend (`kernels`: onednn, portable; None: the one auto takes) and, on a CPU, oneDNN's ISA (it
+        and MKL dispatch by ISA, and AMX, AVX-512 and AVX2 kernels reduce differently), or the GPU's
+        model; torch's own kernels otherwise."""
+        where = self.accelerator or self.device
         if self.device != "cpu":
-            return f"aten-{self.device}"
+            return f"portable-{where}" if exact else f"aten-{where}"
         if not exact:
             return f"aten-{aten_level(self.cpu_flags, self.machine)}"
-        return f"onednn-{onednn_isa(self.cpu_flags, self.machine)}"
+        return f"{kernels or 'onednn'}-{onednn_isa(self.cpu_flags, self.machine)}"
 
-    def numerics(self, dtype: str, exact: bool) -> Numerics:
-        return Numerics(dtype, self.kernel_class(exact), self.device, exact)
+    def numerics(self, dtype: str, exact: bool, kernels: str | None = None) -> Numerics:
+        return Numerics(dtype, self.kernel_class(exact, kernels), self.device, exact)
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -125,24 +134,38 @@ def aten_level(flags: frozenset[str], machine: str = "x86_64") -> str:
     return "avx2" if "avx2" in flags else "default"
 
 
-def plan(requested: str, hardware: Hardware, exact: bool) -> list[str]:
-    """The dtypes to try for `requested` ("auto", "float32", "bfloat16"), best first.
+def plan(requested: str, hardware: Hardware, exact: bool, kernels: str = "auto") -> list[str]:
+    """The dtypes to try for `requested` ("auto", "float32", "bfloat16") on the `kernels` backend
+    ("auto", "onednn", "portable"), best first.
 
     Raises NoExactPath, with one line naming what is missing and the choices, where exact mode cannot
-    run what was asked; ValueError for an unknown dtype.
+    run what was asked; ValueError for an unknown dtype or backend.
     """
     if requested not in DTYPES:
         raise ValueError(f"unknown dtype {requested!r}: choose one of {', '.join(DTYPES)}")
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
     if not exact:
         if requested != "auto":
             return [requested]
         return ["bfloat16"] if hardware.device != "cpu" or hardware.onednn_bf16 else ["float32"]
-    if hardware.device != "cpu" or not hardware.onednn:
+    if kernels == "onednn" and (hardware.device != "cpu" or not hardware.onednn):
         where = hardware.device if hardware.device != "cpu" else "a torch build without oneDNN"
         raise NoExactPath(
-            f"no bit-exact (invariant) kernels on {where}: run with --no-bit-exact, which gives up "
-            "output identical to the target alone"
+            f"--kernels onednn has no kernels on {where}: use --kernels portable (or auto), or "
+            "--no-bit-exact, which gives up output identical to the target alone"
         )
+    if hardware.device != "cpu":
+        # The portable backend; a GPU computes bfloat16 natively. The proof at load decides.
+        return [requested] if requested != "auto" else ["bfloat16", "float32"]
+    if not hardware.onednn:
+        # portable on a CPU without oneDNN: float32 through torch's own kernels.
+        if requested == "bfloat16":
+            raise NoExactPath(
+                "--dtype bfloat16 cannot be bit-exact with a torch built without oneDNN: "
+                "choose --dtype float32 (or auto), or --no-bit-exact"
+            )
+        return ["float32"]
     if requested == "float32":
         return ["float32"]
     if hardware.onednn_bf16:

@@ -41,10 +41,14 @@ NO_ONEDNN = Hardware(cpu_flags=AVX2, onednn=False)
         (ZEN4_CPU, "auto", False, ["bfloat16"]),
         (GPU, "auto", False, ["bfloat16"]),
         (GPU, "float32", False, ["float32"]),
+        (GPU, "auto", True, ["bfloat16", "float32"]),  # the portable kernels; the proof decides
+        (GPU, "float32", True, ["float32"]),
+        (NO_ONEDNN, "auto", True, ["float32"]),
     ],
 )
 def test_plan_lists_the_dtypes_to_try_best_first(hardware, requested, exact, expected):
     assert numerics.plan(requested, hardware, exact) == expected
+    assert numerics.plan(requested, hardware, exact, "portable") == expected
 
 
 def test_bfloat16_on_a_cpu_without_its_kernels_is_refused_naming_the_missing_features():
@@ -63,9 +67,16 @@ def test_the_missing_features_are_those_the_cpu_lacks():
 
 
 @pytest.mark.parametrize("hardware", [GPU, NO_ONEDNN])
-def test_exact_mode_without_invariant_kernels_is_refused_with_the_way_out(hardware):
-    with pytest.raises(NoExactPath, match="--no-bit-exact"):
-        numerics.plan("auto", hardware, exact=True)
+def test_onednn_where_it_has_no_kernels_is_refused_with_the_ways_out(hardware):
+    with pytest.raises(NoExactPath, match="--kernels portable.*--no-bit-exact"):
+        numerics.plan("auto", hardware, exact=True, kernels="onednn")
+
+
+def test_bfloat16_without_onednn_is_refused():
+    with pytest.raises(NoExactPath, match="--dtype float32"):
+        numerics.plan("bfloat16", NO_ONEDNN, exact=True)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        numerics.plan("auto", AVX2_CPU, exact=True, kernels="triton")
 
 
 def test_an_unknown_dtype_is_a_value_error():
@@ -90,6 +101,15 @@ def test_an_unknown_dtype_is_a_value_error():
 def test_kernel_class_names_the_isa_that_decides_the_bits(flags, machine, isa):
     hardware = Hardware(cpu_flags=flags, machine=machine)
     assert hardware.kernel_class(exact=True) == f"onednn-{isa}"
+    assert hardware.kernel_class(exact=True, kernels="portable") == f"portable-{isa}"
+
+
+def test_a_gpu_is_named_by_its_model():
+    h200 = Hardware(device="cuda", accelerator="NVIDIA_H200")
+    a100 = Hardware(device="cuda", accelerator="NVIDIA_A100-SXM4-80GB")
+    assert h200.numerics("bfloat16", True).identity == "bfloat16/portable-NVIDIA_H200/cuda/exact"
+    assert h200.numerics("bfloat16", True) != a100.numerics("bfloat16", True)
+    assert GPU.kernel_class(exact=False) == "aten-cuda"
 
 
 def test_numerics_identity_separates_what_changes_the_bits():
@@ -99,9 +119,10 @@ def test_numerics_identity_separates_what_changes_the_bits():
         ZEN4_CPU.numerics("float32", True).identity,
         ZEN4_CPU.numerics("bfloat16", True).identity,
         SPR_CPU.numerics("bfloat16", True).identity,
+        SPR_CPU.numerics("bfloat16", True, "portable").identity,
         GPU.numerics("bfloat16", False).identity,
     }
-    assert len(identities) == 6
+    assert len(identities) == 7
     n = SPR_CPU.numerics("bfloat16", True)
     assert n.identity == "bfloat16/onednn-avx512_core_amx/cpu/exact"
     assert Numerics.parse(n.identity) == n
@@ -139,7 +160,7 @@ def test_auto_loads_an_exact_path_and_says_which(target_dir):
     engine = TargetEngine.load(target_dir, dtype="auto")
     hardware = Hardware.detect("cpu")
     assert engine.invariant and engine.numerics.exact
-    assert engine.numerics.kernels == hardware.kernel_class(True)
+    assert engine.numerics.kernels == hardware.kernel_class(True, engine.kernels)
     assert engine.numerics.dtype == str(engine.model.dtype).removeprefix("torch.")
     if not hardware.onednn_bf16:
         assert engine.numerics.dtype == "float32"
@@ -183,8 +204,9 @@ def _skipping_bf16_kernel_check(init):
     """TargetEngine.__init__ where a bfloat16 model skips the kernels (a CPU that lacks them would raise
     from oneDNN): the test injects the hardware, not the kernels."""
 
-    def wrapped(self, model, info, device, invariant=False, numerics=None):
+    def wrapped(self, model, info, device, invariant=False, numerics=None, kernels="auto"):
         if model.dtype == torch.bfloat16:
+            self.kernels, self.padding = kernels, None
             model.set_attn_implementation("draftwire_rows")
             self.invariant, self.model, self.info, self.device, self.numerics = (
                 True,
@@ -197,6 +219,6 @@ def _skipping_bf16_kernel_check(init):
             self._layers = model.config.get_text_config().num_hidden_layers
             self._caches = {}
             return
-        init(self, model, info, device, invariant, numerics)
+        init(self, model, info, device, invariant, numerics, kernels)
 
     return wrapped

@@ -11,7 +11,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 
 from tests.capability import dtype_params
 from verifier_service import invariant
-from verifier_service.invariant import exact_attention, make_invariant, pack_weight, packed_linear
+from verifier_service.invariant import block_attention, make_invariant, pack_weight, packed_linear
 
 DTYPES = dtype_params(torch.float32, torch.bfloat16)
 pytestmark = pytest.mark.skipif(
@@ -83,13 +83,13 @@ def test_attention_rows_equal_one_query_at_a_time(dtype, window, threads):
     keys, values = _cache(held, 64, 2, dtype, g)
     queries = torch.randn(1, heads, held, 32, generator=g).to(dtype)
     for n in [2, 5, 9, 17]:
-        out = exact_attention(queries[:, :, held - n :], keys, values, 0.17, window)
+        out = block_attention(queries[:, :, held - n :], keys, values, 0.17, window)
         for j in range(n):
             p = held - n + j
             # The one-position forward's cache: a different buffer (capacity 128) holding the same prefix.
             k1, v1 = (torch.zeros(1, 2, 128, 32, dtype=dtype) for _ in range(2))
             k1[:, :, : p + 1], v1[:, :, : p + 1] = keys[:, :, : p + 1], values[:, :, : p + 1]
-            one = exact_attention(
+            one = block_attention(
                 queries[:, :, p : p + 1], k1[:, :, : p + 1], v1[:, :, : p + 1], 0.17, window
             )
             assert torch.equal(out[0, j], one[0, 0]), (n, j)
@@ -106,19 +106,21 @@ def test_attention_matches_causal_sdpa(dtype):
     )
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
-        exact_attention(queries, keys, values, 0.2), expected.transpose(1, 2), atol=atol, rtol=0
+        block_attention(queries, keys, values, 0.2), expected.transpose(1, 2), atol=atol, rtol=0
     )
 
 
 def _exact(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """A transformers attention function for a batch of one sequence over a DynamicCache."""
-    return exact_attention(query, key, value, scaling, kwargs.get("sliding_window")), None
+    return block_attention(query, key, value, scaling, kwargs.get("sliding_window")), None
 
 
 AttentionInterface.register("invariant_test_exact", _exact)
 
 
-def _tiny_llama(dtype, invariant_mode: bool, padding: int | None = None) -> LlamaForCausalLM:
+def _tiny_llama(
+    dtype, invariant_mode: bool, padding: int | None = None, kernels: str = "onednn"
+) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=512,
@@ -132,7 +134,7 @@ def _tiny_llama(dtype, invariant_mode: bool, padding: int | None = None) -> Llam
     )
     model = LlamaForCausalLM(config).to(dtype).eval()
     if invariant_mode:
-        make_invariant(model, check=False, padding=padding)  # check_linear has a test of its own
+        make_invariant(model, kernels, check=False, padding=padding)  # the checks have tests of their own
         model.set_attn_implementation("invariant_test_exact")
     return model
 
@@ -153,12 +155,13 @@ def _logits_one_at_a_time_and_in_rounds(model, ids: list[int], prefix: int, widt
     return runs
 
 
+@pytest.mark.parametrize("kernels", invariant.BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("width", [5, 9, 17])
-def test_tiny_llama_logits_equal_one_position_forwards(dtype, width):
-    """The whole model in invariant mode: positions run `width` at a time give bitwise the logits of
-    one-position forwards over the same cache."""
-    model = _tiny_llama(dtype, invariant_mode=True)
+def test_tiny_llama_logits_equal_one_position_forwards(dtype, width, kernels):
+    """The whole model in invariant mode, on either backend: positions run `width` at a time give
+    bitwise the logits of one-position forwards over the same cache."""
+    model = _tiny_llama(dtype, invariant_mode=True, kernels=kernels)
     ids = [(37 * i + 11) % 512 for i in range(60)]
     one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, width)
     assert torch.equal(one, rounds)
@@ -198,6 +201,74 @@ def test_time_paddings_times_each_padding_tried():
     layers = [m for m in model.modules() if isinstance(m, invariant.InvariantLinear)]
     seconds = invariant.time_paddings(layers, repeats=1)
     assert set(seconds) == set(invariant.PADDINGS) and all(s > 0 for s in seconds.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_portable_linear_rows_equal_alone(dtype, threads):
+    """The portable backend (F.linear in calls inside the device's row range) passes the load's check
+    on the SmolLM2 and Qwen2.5 MLP shapes, and its rows are close to torch's."""
+    invariant.check_linear(dtype, [(96, 160), (576, 1536)], kernels="portable")
+    g = torch.Generator().manual_seed(6)
+    weight = (torch.randn(160, 96, generator=g) / 96**0.5).to(dtype)
+    x = torch.randn(40, 96, generator=g).to(dtype)
+    low, high = invariant.portable_rows(dtype)
+    out = invariant.in_row_chunks(x, lambda c: F.linear(c, weight), low, high)
+    torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_is_invariant_at_long_context(dtype, threads):
+    """The load's attention check: a query alone, as the last of a round and inside a whole prefill of
+    1,317 positions (several key blocks and query chunks, past 1,024 keys), with and without a window."""
+    invariant.check_attention(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_matches_sdpa_across_blocks_and_windows(dtype):
+    """Past one key block and one query chunk, with a sliding window: the result is attention's."""
+    g = torch.Generator().manual_seed(7)
+    held, new, window = 700, 300, 200
+    keys, values = _cache(held, held, 2, dtype, g)
+    queries = torch.randn(1, 6, new, 32, generator=g).to(dtype)
+    q_pos, k_pos = torch.arange(held - new, held)[:, None], torch.arange(held)[None, :]
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    expected = F.scaled_dot_product_attention(
+        queries.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True
+    )
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    out = block_attention(queries, keys, values, None, window)
+    torch.testing.assert_close(out.float(), expected.transpose(1, 2), atol=atol, rtol=0)
+
+
+def test_onednn_holds_each_weight_once():
+    """The packed copy replaces a layer's own weight (the memory of one copy, not two); a tied lm_head
+    keeps the embedding's weight, which the embedding still reads."""
+    model = _tiny_llama(torch.float32, invariant_mode=True)
+    layers = [m for m in model.modules() if isinstance(m, invariant.InvariantLinear)]
+    tied = model.lm_head
+    assert tied.weight is model.model.embed_tokens.weight
+    assert tied.weight.untyped_storage().nbytes() == 512 * 128 * 4
+    for m in layers:
+        if m is not tied:
+            assert m.packed is not None and m.weight.untyped_storage().nbytes() == 4, m
+
+
+def test_portable_keeps_the_model_weights():
+    model = _tiny_llama(torch.float32, invariant_mode=True, kernels="portable")
+    layers = [m for m in model.modules() if isinstance(m, invariant.InvariantLinear)]
+    assert layers and all(m.packed is None and m.weight.is_contiguous() for m in layers)
+
+
+def test_kernels_resolve_by_device_and_dtype():
+    assert invariant.resolve("auto", torch.float32, "cpu") == "onednn"
+    assert invariant.resolve("portable", torch.float32, "cpu") == "portable"
+    assert invariant.resolve("auto", torch.bfloat16, "cuda") == "portable"
+    with pytest.raises(ValueError, match="portable"):
+        invariant.resolve("onednn", torch.float32, "cuda")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        invariant.resolve("triton", torch.float32, "cpu")
+    assert invariant.portable_rows(torch.float32, "cuda") == (64, 64)  # one shape every call
+    assert invariant.portable_rows(torch.bfloat16, "cpu") == (16, 16)
 
 
 def test_torch_float32_linear_is_not_row_invariant():

@@ -57,6 +57,7 @@ class BenchConfig:
     temperature: float = 0.7  # the sampled mode; greedy always runs
     dtype: str = "auto"  # the target's, in every arm (TargetEngine.load)
     invariant: bool = True  # bit-exact kernels in arms (a) and (c), (d) (TargetEngine.load)
+    kernels: str = "auto"  # their backend (TargetEngine.load)
     seed: int = 1234
 
     @property
@@ -95,6 +96,7 @@ class BenchConfig:
             temperature=args.temperature,
             dtype=args.dtype,
             invariant=args.invariant,
+            kernels=args.kernels,
             **fields,
         )
 

@@ -1,11 +1,15 @@
-"""Benchmark: what bit-exact (invariant) verification costs. The target's forward with the invariant
-kernels against the plain ones, float32 and bfloat16, side by side in one run: one session's round of
-1, 5, 9 and 17 positions over a cached prefix, a batch of 16 sessions x 5 positions, and a prefill.
+"""Benchmark: what bit-exact (invariant) verification costs against transformers' own plain forward.
 
-    python -m tools.bench.invariance --target DIR [--threads 1] [--held 250] [--prefill 1024]
+In one run and one dtype, side by side: transformers' model as it loads (its default attention, sdpa,
+and a DynamicCache), and the engine in invariant mode on each backend asked for (onednn, portable). The
+cases are the issue's: a prefill of a long prompt, a verify batch of 16 sessions x 5 positions over
+1,000 cached positions each, and a one-position decode step over the same context. Cached positions are
+random keys and values (the cost of attention is the same; no prefill of 16 sessions is timed), and
+every call is cut back to them after. The arms take turns within each repeat (median of the repeats),
+so a load that comes and goes touches them alike.
 
-The four engines take turns within each repeat (median of the repeats), so a load that comes and goes
-touches them alike. Prints a markdown table; --json writes the figures.
+    python -m tools.bench.invariance --target DIR --dtype float32 [--arms plain,onednn,portable]
+        [--prefill 2000] [--held 1000] [--repeats 3] [--threads 0] [--json FILE]
 """
 
 from __future__ import annotations
@@ -19,79 +23,105 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from verifier_service.engine import Forward, TargetEngine
 
-MODES = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))
-SESSIONS = 16  # of the batch case
+SESSIONS, WIDTH = 16, 5  # the verify batch
 
 
-def label(dtype: str, invariant: bool) -> str:
-    return f"{dtype} {'invariant' if invariant else 'plain'}"
+class Plain:
+    """transformers' own forward: the model as from_pretrained gives it, a DynamicCache per case."""
+
+    def __init__(self, target: Path, dtype: str):
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
+        config = self.model.config.get_text_config()
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.layers = config.num_hidden_layers
+        self.caches: dict[int, DynamicCache] = {}
+
+    def cache(self, batch: int, held: int) -> DynamicCache:
+        """A cache of `batch` rows holding `held` random positions (made once per batch size)."""
+        if batch not in self.caches:
+            cache = DynamicCache(config=self.model.config)
+            g = torch.Generator().manual_seed(batch)
+            for layer in range(self.layers):
+                shape = (batch, self.kv_heads, held, self.head_dim)
+                k, v = (torch.randn(shape, generator=g).to(self.model.dtype) for _ in "kv")
+                cache.update(k, v, layer)
+            self.caches[batch] = cache
+        return self.caches[batch]
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> None:
+        self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def rows(self, ids: list[list[int]], held: int) -> None:
+        cache = self.cache(len(ids), held)
+        self.model(input_ids=torch.tensor(ids), past_key_values=cache, use_cache=True)
+        cache.crop(held)
 
 
-def cases(held: int, prefill: int, vocab: int) -> dict[str, Callable[[TargetEngine], object]]:
-    """Each case: what one timed call does to an engine whose sessions s0..s15 hold `held` positions."""
-    rng = random.Random(0)
-    new = [rng.randrange(100, vocab) for _ in range(17)]
-    long_prompt = tuple(rng.randrange(100, vocab) for _ in range(prefill))
+class Invariant:
+    """The engine in invariant mode on one backend; sessions s0..s15 hold `held` random positions."""
 
-    def round_of(n: int):
-        return lambda engine: engine.forward("s0", held, new[:n])
+    def __init__(self, target: Path, dtype: str, kernels: str, held: int):
+        self.engine = TargetEngine.load(target, dtype=dtype, kernels=kernels)
+        g = torch.Generator().manual_seed(0)
+        vocab = self.engine.info.vocabulary.size
+        for s in range(SESSIONS):
+            self.engine._fill(f"s{s}", [random.Random(s).randrange(vocab) for _ in range(held)], g)
 
-    def batch(engine: TargetEngine):
-        engine.forward_many([Forward(f"s{s}", held, tuple(new[s % 5 : s % 5 + 5])) for s in range(SESSIONS)])
+    def prefill(self, ids: list[int]) -> None:
+        self.engine.forward("prefill", 0, ids, wants_logits=False)
 
-    def prefill_one(engine: TargetEngine):
-        engine.forward("p", 0, list(long_prompt), wants_logits=False)
-
-    out = {f"{n} position{'s' * (n > 1)}": round_of(n) for n in (1, 5, 9, 17)}
-    out[f"{SESSIONS} sessions x 5 positions"] = batch
-    if prefill:
-        out[f"prefill of {prefill} positions"] = prefill_one
-    return out
+    def rows(self, ids: list[list[int]], held: int) -> None:
+        self.engine.forward_many([Forward(f"s{s}", held, tuple(row)) for s, row in enumerate(ids)])
 
 
-def measure(target: Path, held: int, prefill: int, repeats: int) -> dict[str, dict[str, float]]:
-    """Median milliseconds per case and mode."""
-    engines = {label(d, i): TargetEngine.load(target, dtype=d, invariant=i) for d, i in MODES}
-    vocab = next(iter(engines.values())).info.vocabulary.size
-    context = [random.Random(1).randrange(100, vocab) for _ in range(held)]
-    for engine in engines.values():
-        engine.forward_many(
-            [Forward(f"s{s}", 0, tuple(context), wants_logits=False) for s in range(SESSIONS)]
-        )
+def cases(prefill: int, held: int, vocab: int) -> dict[str, Callable[[object], None]]:
+    rng = random.Random(1)
+    prompt = [rng.randrange(vocab) for _ in range(prefill)]
+    batch = [[rng.randrange(vocab) for _ in range(WIDTH)] for _ in range(SESSIONS)]
+    return {
+        f"prefill of {prefill} positions": lambda arm: arm.prefill(prompt),
+        f"verify {SESSIONS} sessions x {WIDTH} positions at {held}": lambda arm: arm.rows(batch, held),
+        f"decode 1 position at {held}": lambda arm: arm.rows([batch[0][:1]], held),
+    }
+
+
+def measure(target: Path, dtype: str, arms: list[str], prefill: int, held: int, repeats: int) -> dict:
+    """Median milliseconds per case and arm, and what each invariant arm reports of itself."""
+    loaded = {}
+    for arm in arms:
+        loaded[arm] = Plain(target, dtype) if arm == "plain" else Invariant(target, dtype, arm, held)
+    vocab = next(a.engine for a in loaded.values() if isinstance(a, Invariant)).info.vocabulary.size
     results = {}
-    for name, call in cases(held, prefill, vocab).items():
-        times = {mode: [] for mode in engines}
-        for _ in range(2):  # warm-up: kernels, caches' capacity
-            for engine in engines.values():
-                call(engine)
+    for name, call in cases(prefill, held, vocab).items():
+        times: dict[str, list[float]] = {arm: [] for arm in loaded}
+        for arm in loaded.values():  # warm-up: kernels, caches' capacity
+            call(arm)
         for _ in range(repeats):
-            for mode, engine in engines.items():
+            for label, arm in loaded.items():
                 start = time.perf_counter()
-                call(engine)
-                times[mode].append(time.perf_counter() - start)
-        results[name] = {mode: 1000 * statistics.median(t) for mode, t in times.items()}
-    return results
+                call(arm)
+                times[label].append(time.perf_counter() - start)
+        results[name] = {label: 1000 * statistics.median(t) for label, t in times.items()}
+    numerics = {
+        label: arm.engine.numerics.identity for label, arm in loaded.items() if isinstance(arm, Invariant)
+    }
+    return {"ms": results, "numerics": numerics}
 
 
-def markdown(results: dict[str, dict[str, float]]) -> str:
-    modes = [label(d, i) for d, i in MODES]
-    lines = [
-        "| forward | "
-        + " | ".join(f"{m} (ms)" for m in modes)
-        + " | invariant / plain, float32 | invariant / plain, bfloat16"
-        + " | bfloat16 invariant / float32 plain |",
-        "|---" * (len(modes) + 4) + "|",
-    ]
-    for name, ms in results.items():
-        ratios = (
-            ms["float32 invariant"] / ms["float32 plain"],
-            ms["bfloat16 invariant"] / ms["bfloat16 plain"],
-            ms["bfloat16 invariant"] / ms["float32 plain"],
-        )
-        cells = [f"{ms[m]:.1f}" for m in modes] + [f"{r:.2f}" for r in ratios]
+def markdown(dtype: str, results: dict) -> str:
+    arms = list(next(iter(results["ms"].values())))
+    exact = [a for a in arms if a != "plain"]
+    head = ["forward", *(f"{a} (ms)" for a in arms), *(f"{a} / plain" for a in exact)]
+    lines = [f"**{dtype}**", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for name, ms in results["ms"].items():
+        cells = [f"{ms[a]:.1f}" for a in arms] + [f"{ms[a] / ms['plain']:.2f}" for a in exact]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -99,18 +129,24 @@ def markdown(results: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (one core stands for the server)")
-    ap.add_argument("--held", type=int, default=250, help="cached positions before each round")
-    ap.add_argument("--prefill", type=int, default=1024, help="prompt length of the prefill case (0: none)")
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), required=True)
+    ap.add_argument("--arms", default="plain,onednn,portable", help="plain and the backends to time")
+    ap.add_argument("--prefill", type=int, default=2000, help="prompt length of the prefill case")
+    ap.add_argument("--held", type=int, default=1000, help="cached positions of the verify and decode cases")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    results = measure(args.target, args.held, args.prefill, args.repeats)
-    print(f"{args.threads} torch thread(s), {args.held} cached positions, median of {args.repeats}\n")
-    print(markdown(results))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arms = args.arms.split(",")
+    if "plain" not in arms:
+        ap.error("--arms must include plain, the baseline")
+    results = measure(args.target, args.dtype, arms, args.prefill, args.held, args.repeats)
+    print(f"{torch.get_num_threads()} torch thread(s), median of {args.repeats}; {results['numerics']}\n")
+    print(markdown(args.dtype, results))
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "ms": results}))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}))
     return 0
 
 

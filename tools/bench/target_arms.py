@@ -70,7 +70,10 @@ def run_transformers(config: BenchConfig, label: str, **generate_kwargs) -> Row:
 
 async def run(config: BenchConfig, log=print) -> list[Row]:
     rows = []
-    batcher = Batcher(TargetEngine.load(config.target_dir, dtype=config.dtype, invariant=config.invariant))
+    engine = TargetEngine.load(
+        config.target_dir, dtype=config.dtype, invariant=config.invariant, kernels=config.kernels
+    )
+    batcher = Batcher(engine)
     try:
         for mode in ("greedy", "sampled"):
             log(f"(a) target alone, {mode}")

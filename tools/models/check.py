@@ -73,6 +73,7 @@ def check_pair(
     rtt_ms: float = 20.0,
     dtype: str = "auto",
     log: Callable[[str], None] = lambda _: None,
+    kernels: str = "auto",
 ) -> Report:
     """Checks the pair; `prompts` default to 3 held-out chat turns (code windows where the target has
     no chat template). Raises OSError or ValueError where either side cannot be read at all."""
@@ -87,7 +88,7 @@ def check_pair(
 
     log("loading the target (the checks at load run: conformance, invariance)")
     try:
-        engine = TargetEngine.load(target_dir, dtype=dtype)
+        engine = TargetEngine.load(target_dir, dtype=dtype, kernels=kernels)
     except (UnsupportedModel, NoExactPath) as e:
         return Report(False, str(e), chat_templates_equal=templates)
     n = engine.numerics
