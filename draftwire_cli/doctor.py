@@ -30,7 +30,7 @@ X86_FEATURES = (
     "avx512vl",
     "avx512dq",
     "avx512_vnni",
-    "avx512_vbmi",
+    "avx512vbmi",  # Linux spells this one without the underscore (avx512_vbmi2 has it)
     "avx512_bf16",
     "avx_ne_convert",
     "amx_tile",

@@ -97,6 +97,35 @@ def budget_mb(text: str) -> float | None:
 port = bounded(int, 0, 65535, what="a port is 0 (any free one) to 65535")
 
 
+VERIFIER_PORT = 50051  # serve's --port, and that of a --server given without one
+GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds")
+
+
+def server_address(text: str) -> str:
+    """--server: HOST:PORT, or HOST alone for serve's default port (gRPC alone would dial 443, HTTPS's);
+    a gRPC target with a scheme (`dns:///h:p`, `unix:/path`) is taken as it is."""
+    if text.split(":", 1)[0] in GRPC_SCHEMES:
+        return text
+    if text.startswith("["):  # [IPv6] or [IPv6]:PORT
+        host, _, rest = text.partition("]")
+        port_text = rest[1:] if rest.startswith(":") else None
+        if rest and port_text is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+        host += "]"
+    elif text.count(":") > 1:  # a bare IPv6 address
+        host, port_text = f"[{text}]", None
+    else:
+        host, _, port_text = text.partition(":")
+        port_text = port_text if ":" in text else None
+    if not host.strip("[]"):
+        raise argparse.ArgumentTypeError(f"{text!r} names no host: give HOST:PORT")
+    if port_text is None:
+        return f"{host}:{VERIFIER_PORT}"
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be 1 to 65535")
+    return f"{host}:{int(port_text)}"
+
+
 temperature = bounded(float, 0, what="0 (greedy) or more")
 
 

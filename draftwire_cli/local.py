@@ -72,6 +72,10 @@ def _models_check(args) -> int:
 
 
 def demo(args) -> int:
+    from draftwire import ports
+
+    if args.web:  # said at once, not after the models load
+        ports.check_free("127.0.0.1", args.port)
     from draftwire_cli.demo import run_demo, run_web_demo
     from tools.models.find import find_pair
 

@@ -21,6 +21,15 @@ def fail(message: str, status: int) -> int:
     return status
 
 
+def is_gguf(path) -> bool:
+    """Whether the file starts as a GGUF model does (its magic), so that another file is named as such."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return True  # unreadable: left to the loader's own message
+
+
 def check_inputs(args) -> None:
     """Raises UserError for a model file or directory that is not there, before anything loads."""
     for flag in ("draft", "vocab", "draft_hf"):
@@ -28,6 +37,11 @@ def check_inputs(args) -> None:
         if path is not None and not (path.is_dir() if flag == "draft_hf" else path.is_file()):
             raise UserError(
                 f"--{flag.replace('_', '-')} {path}: no such {'directory' if flag == 'draft_hf' else 'file'}"
+            )
+        if path is not None and flag != "draft_hf" and not is_gguf(path):
+            raise UserError(
+                f"--{flag} {path}: not a GGUF file (llama.cpp's model format: the .gguf file of a pair, as "
+                "`draftwire models fetch` writes it)"
             )
     target = getattr(args, "target", None)
     if target is not None and not target.is_dir():

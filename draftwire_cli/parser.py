@@ -10,6 +10,7 @@ from draftwire_cli.flags import (
     GAMMA,
     PIPELINE,
     PIPELINE_HELP,
+    VERIFIER_PORT,
     Parser,
     add_chat,
     add_client_security,
@@ -29,6 +30,7 @@ from draftwire_cli.flags import (
     port,
     positive,
     seconds,
+    server_address,
     temperature,
 )
 from tools.cliargs import add_target_numerics, id_list, rig
@@ -50,7 +52,7 @@ def _serve(sub) -> None:
     p = sub.add_parser("serve", help="run the verifier (gRPC) for a transformers target")
     p.add_argument("--target", type=Path, required=True, help="transformers model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=port, default=50051, help="0 picks a free port (printed)")
+    p.add_argument("--port", type=port, default=VERIFIER_PORT, help="0 picks a free port (printed)")
     p.add_argument("--max-gamma", type=positive, default=16, help="most draft tokens a proposal may carry")
     p.add_argument(
         "--no-gamma-cap",
@@ -118,7 +120,12 @@ def _add_metrics(p) -> None:
 
 def _loadtest(sub) -> None:
     p = sub.add_parser("loadtest", help="many concurrent edge sessions against a verifier or pool")
-    p.add_argument("--server", required=True, help="HOST:PORT of the verifier or the pool's front")
+    p.add_argument(
+        "--server",
+        type=server_address,
+        required=True,
+        help=f"HOST:PORT of the verifier or the pool's front (HOST alone: port {VERIFIER_PORT})",
+    )
     p.add_argument("--sessions", type=positive, default=16, help="concurrent sessions")
     p.add_argument("--duration", type=seconds, default=30.0, help="seconds to keep opening sessions")
     p.add_argument("--gamma", type=gamma, default=GAMMA, help="draft tokens per round")
@@ -140,7 +147,12 @@ def _loadtest(sub) -> None:
 
 def _generate(sub) -> None:
     p = sub.add_parser("generate", help="generate speculatively: local draft, remote verifier")
-    p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
+    p.add_argument(
+        "--server",
+        type=server_address,
+        required=True,
+        help=f"HOST:PORT of the verifier (HOST alone: port {VERIFIER_PORT})",
+    )
     p.add_argument(
         "--draft", type=Path, help="GGUF draft model; without one, a thin client: the verifier decodes"
     )
@@ -171,7 +183,12 @@ def _reference(sub) -> None:
 
 def _chat(sub) -> None:
     p = sub.add_parser("chat", help="terminal chat against a verifier")
-    p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
+    p.add_argument(
+        "--server",
+        type=server_address,
+        required=True,
+        help=f"HOST:PORT of the verifier (HOST alone: port {VERIFIER_PORT})",
+    )
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft model")
     add_chat(p)
     add_timeouts(p)
@@ -190,7 +207,12 @@ def _edge(sub) -> None:
     p = sub.add_parser(
         "edge", help="the device's chat app: an OpenAI-compatible API and a web page on localhost"
     )
-    p.add_argument("--server", required=True, help="HOST:PORT of the verifier")
+    p.add_argument(
+        "--server",
+        type=server_address,
+        required=True,
+        help=f"HOST:PORT of the verifier (HOST alone: port {VERIFIER_PORT})",
+    )
     p.add_argument(
         "--draft", type=Path, help="GGUF draft model; without one (and with --vocab), a thin device"
     )
@@ -254,6 +276,7 @@ def _models(sub) -> None:
     c.add_argument("--tokens", type=count, default=32, help="target tokens per prompt (3 prompts)")
     c.add_argument("--rtt-ms", type=float, default=20.0, help="round trip assumed for the speedup")
     c.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="the target's")
+    c.add_argument("--kernels", choices=("auto", "onednn", "portable"), default="auto", help="the target's")
     c.add_argument("--json", action="store_true", help="the report as JSON")
     b = models.add_parser(
         "build", help="tokenizer, trained target, distilled draft, GGUF exports, model card"
@@ -276,7 +299,6 @@ def _demo(sub) -> None:
         "models/demo: the small stdlib pair",
     )
     add_chat(p)
-    c.add_argument("--kernels", choices=("auto", "onednn", "portable"), default="auto", help="the target's")
     p.add_argument(
         "--web", action="store_true", help="start the edge app's web page instead of the terminal chat"
     )

@@ -24,10 +24,19 @@ def find_pair(models: Path | None) -> tuple[Path, Path]:
     fetched = {"smollm2": smollm2.default_dir(), **{n: chunks.default_dir(p) for n, p in PAIRS.items()}}
     name = "smollm2" if models is None else str(models)
     root = fetched[name] if name in fetched and not Path(name).is_dir() else Path(models)
+    if name not in fetched and not root.is_dir():
+        raise FileNotFoundError(
+            f"{root}: no such directory (--models takes a pair directory, or a fetched pair's name: "
+            f"{', '.join(fetched)})"
+        )
     files = PairFiles(root)
     preferred = [files.gguf(kind) for kind in DRAFT_PREFERENCE if files.gguf(kind).is_file()]
     draft = preferred[0] if preferred else chunks.draft_file(root)
     if not (files.target / "config.json").is_file() or draft is None:
-        make = f"draftwire models fetch {name}" if name in fetched else f"draftwire models build --out {root}"
-        raise FileNotFoundError(f"no model pair in {files.root}: run `{make}`")
+        if name in fetched:
+            raise FileNotFoundError(f"no model pair in {files.root}: run `draftwire models fetch {name}`")
+        raise FileNotFoundError(
+            f"no model pair in {files.root}: a pair directory holds the target's transformers directory "
+            "(target/) and a draft-*.gguf beside it, as `draftwire models fetch NAME` writes them"
+        )
     return files.target, draft
