@@ -4,8 +4,10 @@ scripts/llama_wheel.sh builds ggml's CPU backend as one loadable module per CPU 
 (`libggml-cpu-<variant>.so`: x64, sse42, sandybridge, haswell, skylakex, icelake, zen4, alderlake, …,
 or armv8.0 … armv9.2) next to libllama in `llama_cpp/lib`, and links none of them in. ggml scores each
 module against the CPU (cpuid, or the ARM hwcaps) and registers the best; llama-cpp-python 0.3.36 does
-not ask for that (it searches next to the executable, which is python), so `load_backends` does, once,
-before the first model loads. `Llama` is llama_cpp.Llama after that call: every model of the project
+not ask for that (it searches next to the executable, which is python), so the installed copy does it on
+import (scripts/llama_import_hook.py: any program's `llama_cpp.Llama` loads models), and `load_backends`
+reports what registered, or registers it where the import did not (DRAFTWIRE_LLAMA_VARIANT, a copy
+installed without the hook). `Llama` is llama_cpp.Llama after that call: every model of the project
 (draft, vocabulary-only, the model kit's checks) is opened through it.
 
 Where no CPU module fits (or none was installed), `load_backends` raises NoCpuBackend with one line that

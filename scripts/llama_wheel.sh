@@ -12,6 +12,9 @@
 #   other flags (an older AVX-512 build, another architecture) is never reused, and a fresh clone on the
 #   same machine does not build again. The build takes about 12 minutes on 2 cores (16 CPU variants; 4 for one).
 # - The source stays in third_party/llama-cpp-python (llama.cpp's HF-to-GGUF converter ships only there).
+# - The installed copy registers its CPU modules on import (scripts/llama_import_hook.py, appended to its
+#   llama_cpp/__init__.py), so that `llama_cpp.Llama(model_path=...)` loads a model in any program, not
+#   only through draftwire. That is done after the install, not in the build: the cached wheel stays.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36
@@ -40,14 +43,18 @@ if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
   mkdir -p "$WHEELS" && mv "$build"/out/llama_cpp_python-"$VERSION"-*.whl "$WHEELS"/
   rm -rf "$build"
 fi
-# The installed copy names its build; another build (or none) is replaced.
+# The installed copy names its build and its import hook; another build, hook (or none) is replaced.
+HOOK=scripts/llama_import_hook.py
+INSTALLED_KEY="$VERSION-$KEY-hook-$(sha256sum "$HOOK" | cut -c1-12)"
 installed_key=$(python -c "import llama_cpp, pathlib; print((pathlib.Path(llama_cpp.__file__).parent / 'lib' / 'draftwire-build-key').read_text().strip())" 2>/dev/null || true)
-if [ "$installed_key" != "$VERSION-$KEY" ]; then
+if [ "$installed_key" != "$INSTALLED_KEY" ]; then
   python -m pip install -q --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl
   python -m pip install -q "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl
-  python - "$VERSION-$KEY" <<'PY'
-import pathlib, sys
-import llama_cpp
-(pathlib.Path(llama_cpp.__file__).parent / "lib" / "draftwire-build-key").write_text(sys.argv[1] + "\n")
+  python - "$INSTALLED_KEY" "$HOOK" <<'PY'
+import importlib.util, pathlib, sys
+package = pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent  # found, not imported
+init = package / "__init__.py"
+init.write_text(init.read_text() + "\n\n" + pathlib.Path(sys.argv[2]).read_text())
+(package / "lib" / "draftwire-build-key").write_text(sys.argv[1] + "\n")
 PY
 fi
