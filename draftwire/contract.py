@@ -109,6 +109,26 @@ class Drafting(Enum):
     NGRAM = "ngram"  # thin: the verifier drafts by prompt lookup (draftwire/ngram.py)
 
 
+class ConstraintKind(Enum):
+    """What a session's output must match (OpenSession.constraint)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text
+    GRAMMAR = "grammar"  # a grammar in llguidance's Lark syntax
+    REGEX = "regex"  # a regular expression the whole output matches
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: each generated token is chosen under this constraint's mask (draftwire.grammar)."""
+
+    kind: ConstraintKind
+    source: str = ""  # the schema, grammar or regex; empty for JSON_OBJECT
+
+
+MAX_CONSTRAINT_BYTES = 32 << 10  # a constraint's source, UTF-8
+
+
 class Finish(Enum):
     STOP = "stop"  # an end-of-sequence or stop token was committed
     LENGTH = "length"  # the token budget is spent
@@ -130,6 +150,7 @@ class SessionSpec:
     numerics: str = ""  # the Numerics.identity the session must be verified with (a resume); "" any
     top_logprobs: int | None = None  # None: no logprobs; k: each token's, and the k most likely (k <= 20)
     handoff: bool = False  # a thin session an edge hands over while speculation does not pay
+    constraint: Constraint | None = None  # structured output; None: unconstrained
 
     @property
     def thin(self) -> bool:
@@ -223,6 +244,9 @@ class ModelInfo:
     # Decodes thin sessions (the verifier plays the rounds), where an edge hands a session over while
     # speculation does not pay. False from an older verifier, or one that refuses them.
     thin_sessions: bool = True
+    # Takes a session's constraint (structured output). False from an older verifier, or one without
+    # its target's tokenizer.
+    constraints: bool = False
 
 
 def is_stale(committed: Sequence[int], proposal: Proposal) -> bool:

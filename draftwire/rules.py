@@ -90,6 +90,18 @@ def adjusted_logits(
     return scores
 
 
+def masked_logits(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The scores with every token a constraint does not allow at -inf (structured output, after the
+    adjustments and before temperature, top-k and top-p).
+
+    scores   # [n, vocab] any float dtype, kept
+    allowed  # [n, width] bool, width <= vocab: ids past it (padding rows of the logits) are not allowed
+    """
+    keep = np.zeros(scores.shape, dtype=bool)
+    keep[:, : allowed.shape[-1]] = allowed
+    return np.where(keep, scores, np.array(-np.inf, dtype=scores.dtype))
+
+
 def token_logprobs(
     scores: np.ndarray, token_ids: Sequence[int], params: SamplingParams, top: int
 ) -> list[TokenLogprob]:

@@ -12,6 +12,8 @@ from pathlib import Path
 import grpc
 
 from draftwire.contract import (
+    Constraint,
+    ConstraintKind,
     Drafting,
     Finish,
     ModelInfo,
@@ -189,7 +191,25 @@ def spec_to_proto(spec: SessionSpec) -> pb.OpenSession:
         numerics=spec.numerics,
         top_logprobs=spec.top_logprobs,
         handoff=spec.handoff,
+        constraint=constraint_to_proto(spec.constraint),
     )
+
+
+def constraint_to_proto(c: Constraint | None) -> pb.Constraint | None:
+    if c is None:
+        return None
+    if c.kind is ConstraintKind.JSON_OBJECT:
+        return pb.Constraint(json_object=True)
+    return pb.Constraint(**{c.kind.value: c.source})
+
+
+def constraint_from_proto(m: pb.OpenSession) -> Constraint | None:
+    """The open's constraint, or None when it names none (an unset oneof, or json_object false)."""
+    kind = m.constraint.WhichOneof("kind") if m.HasField("constraint") else None
+    if kind is None or (kind == "json_object" and not m.constraint.json_object):
+        return None
+    source = "" if kind == "json_object" else getattr(m.constraint, kind)
+    return Constraint(ConstraintKind(kind), source)
 
 
 def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
@@ -206,6 +226,7 @@ def spec_from_proto(m: pb.OpenSession) -> SessionSpec:
         numerics=m.numerics,
         top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
         handoff=m.handoff,
+        constraint=constraint_from_proto(m),
     )
 
 
@@ -282,6 +303,7 @@ def model_info_to_proto(m: ModelInfo) -> pb.ModelInfo:
         numerics=numerics_to_proto(m.numerics) if m.numerics else None,
         plain_steps=m.plain_steps,
         thin_sessions=m.thin_sessions,
+        constraints=m.constraints,
     )
 
 
@@ -309,4 +331,5 @@ def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
         numerics=numerics,
         plain_steps=m.plain_steps,
         thin_sessions=m.thin_sessions,
+        constraints=m.constraints,
     )

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from draftwire import cpus
-from draftwire.contract import SamplingParams
-from draftwire.rules import adjusted_logits, choose_tokens
+from draftwire.contract import Constraint, SamplingParams
+from draftwire.grammar import InvalidConstraint, Matcher, compile_constraint
+from draftwire.rules import adjusted_logits, choose_tokens, masked_logits
 from draftwire.vocab import Vocabulary, vocabulary_from_llama
 from edge_client.llama_runtime import Llama
 
@@ -72,6 +73,7 @@ class LlamaDrafter(VocabOnly):
         self.vocabulary: Vocabulary = vocabulary_from_llama(self.llm)
         self._cached: list[int] = []  # tokens whose keys and values the draft's cache holds
         self.evaluated_positions = 0  # positions the draft computed, for the cost accounting
+        self._grammar_tokenizer = None  # llguidance's, from the GGUF's vocabulary (constraint_matcher)
 
     @property
     def n_ctx(self) -> int:
@@ -84,24 +86,48 @@ class LlamaDrafter(VocabOnly):
         params: SamplingParams,
         stop_token_ids: Collection[int] = (),
         prompt_length: int = 0,
+        matcher: Matcher | None = None,
     ) -> list[int]:
         """Drafts up to `gamma` tokens after `sequence` (the committed tokens, then any the edge assumes
         will be; the prompt its `prompt_length` first), choosing each with the verifier's rules (the
-        session's logit bias and penalties over the tokens before it, then its choice with keyed noise),
-        so that it proposes what the target would choose; stops early after a stop token, since nothing
-        after one can be committed."""
+        session's logit bias and penalties over the tokens before it, the constraint's mask when
+        `matcher` is given, then its choice with keyed noise), so that it proposes what the target would
+        choose; stops early after a stop token, since nothing after one can be committed."""
         if not sequence:
             raise ValueError("cannot draft from an empty sequence")
         self._sync(sequence)
+        generated = list(sequence[prompt_length:])
+        # A sequence the draft's matcher refuses (it cannot, where both sides mask alike): draft unmasked.
+        masked = matcher is not None and matcher.follow(generated) == len(generated)
         draft: list[int] = []
         for i in range(gamma):
             scores = adjusted_logits(self._last_logits()[None], params, [*sequence, *draft], prompt_length)
+            if masked:
+                scores = masked_logits(scores, matcher.allowed()[None])
             token = int(choose_tokens(scores, len(sequence) + i, params)[0])
             draft.append(token)
             if i == gamma - 1 or token in stop_token_ids:
                 break
+            if masked and matcher.follow([*generated, *draft]) < len(generated) + len(draft):
+                break
             self._eval([token])
         return draft
+
+    def constraint_matcher(self, constraint: Constraint, eos_token_ids: Sequence[int]) -> Matcher | None:
+        """A matcher of `constraint` over the draft's own vocabulary, ending at the target's
+        `eos_token_ids` as the verifier's does (the tokenizer built once, about a second for a
+        vocabulary of 150k), or None where it does not compile here (the verifier says why)."""
+        eos = list(eos_token_ids) or [self.llm.token_eos()]
+        if self._grammar_tokenizer is None or self._grammar_tokenizer.eos_tokens != eos:
+            import llama_cpp
+            import llguidance.llamacpp
+
+            vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+            self._grammar_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, eos_token=eos)
+        try:
+            return compile_constraint(constraint, self._grammar_tokenizer)
+        except InvalidConstraint:
+            return None
 
     def _sync(self, sequence: Sequence[int]) -> None:
         # Keep the longest shared prefix, but re-run at least the last token: its logits are what the

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from draftwire.contract import (
+    Constraint,
     Drafting,
     ModelInfo,
     Proposal,
@@ -40,6 +41,7 @@ class GenerationRequest:
     drafting: Drafting = Drafting.EDGE  # NONE or NGRAM: a thin session, the verifier decodes it
     top_logprobs: int | None = None  # None: no logprobs; k: each token's and the k most likely (k <= 20)
     handoff: bool = False  # a leg: a thin session EdgeSession opens while speculation is off
+    constraint: Constraint | None = None  # structured output (draftwire/grammar.py); None: unconstrained
 
     @property
     def adaptive(self) -> bool:
@@ -64,6 +66,7 @@ class GenerationRequest:
             numerics=numerics,
             top_logprobs=self.top_logprobs,
             handoff=self.handoff,
+            constraint=self.constraint,
         )
 
 

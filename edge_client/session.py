@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from concurrent.futures import Executor
@@ -22,6 +23,7 @@ import grpc
 from draftwire import wire
 from draftwire.aio import within
 from draftwire.contract import (
+    Constraint,
     Drafting,
     Finish,
     ModelInfo,
@@ -30,6 +32,7 @@ from draftwire.contract import (
     Verdict,
     generation_budget,
 )
+from draftwire.grammar import Matcher
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
@@ -60,6 +63,9 @@ class Drafter(Protocol):
         stop_token_ids: Collection[int] = (),
         prompt_length: int = 0,
     ) -> list[int]: ...
+
+
+MATCHERS_KEPT = 8  # constraints whose draft matcher an EdgeSession keeps (compiled once each)
 
 
 class VerifierError(Exception):
@@ -131,6 +137,7 @@ class EdgeSession:
         self.tuner = Tuner()
         self._info: ModelInfo | None = None
         self.hand_off = True  # False once the verifier refused a leg
+        self._matchers: dict[Constraint, Matcher | None] = {}  # the draft's, by constraint (_matcher)
 
     async def model_info(self) -> ModelInfo:
         """What the verifier serves (asked once per EdgeSession)."""
@@ -404,13 +411,36 @@ class EdgeSession:
         start = time.perf_counter()
         try:
             executor, prompt_length = self.drafter.executor, len(request.prompt_token_ids)
+            matcher = await self._matcher(request)
+            extra = {"matcher": matcher} if matcher is not None else {}
+            propose = functools.partial(self.drafter.propose, **extra)
             if executor is None:
-                return self.drafter.propose(job.base, job.gamma, params, stops, prompt_length)
+                return propose(job.base, job.gamma, params, stops, prompt_length)
             return await asyncio.get_running_loop().run_in_executor(
-                executor, self.drafter.propose, job.base, job.gamma, params, stops, prompt_length
+                executor, propose, job.base, job.gamma, params, stops, prompt_length
             )
         finally:
             stats.draft_s += time.perf_counter() - start
+
+    async def _matcher(self, request: GenerationRequest) -> Matcher | None:
+        """The draft's matcher of a constrained request, so that it proposes under the verifier's mask;
+        None unconstrained, or where the drafter builds none (it then drafts unmasked, and the verifier
+        rejects what the constraint refuses). Kept per constraint: a matcher follows whatever sequence
+        it is given (it rolls back to where the sequences part), so requests of one constraint share it."""
+        build = getattr(self.drafter, "constraint_matcher", None)
+        if request.constraint is None or build is None:
+            return None
+        if request.constraint not in self._matchers:
+            eos = (await self.model_info()).target.eos_token_ids
+            if self.drafter.executor is None:
+                matcher = build(request.constraint, eos)
+            else:
+                loop = asyncio.get_running_loop()
+                matcher = await loop.run_in_executor(self.drafter.executor, build, request.constraint, eos)
+            while len(self._matchers) >= MATCHERS_KEPT:
+                del self._matchers[next(iter(self._matchers))]
+            self._matchers[request.constraint] = matcher
+        return self._matchers[request.constraint]
 
     def _open_message(
         self, request: GenerationRequest, generated: list[int], stats: GenerationStats

@@ -24,6 +24,7 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service import auth
 from verifier_service.admission import Refused
 from verifier_service.batcher import ServedEngine
+from verifier_service.constraints import serves_constraints
 from verifier_service.grpc_kit import (
     RETRY_AFTER,
     STATS_DENIED,
@@ -119,6 +120,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.config.max_message_bytes,
             engine.numerics,
             thin_sessions=limits.thin_sessions,
+            constraints=serves_constraints(engine),
         )
         return wire.model_info_to_proto(info)
 

@@ -29,9 +29,11 @@ from draftwire.contract import (
     is_stale,
     stop_set,
 )
+from draftwire.grammar import InvalidConstraint
 from draftwire.ngram import NGRAM_GAMMA, ngram_draft
-from draftwire.rules import adjusted_logits, choose_tokens, commit_round, token_logprobs
+from draftwire.rules import adjusted_logits, choose_tokens, commit_round, masked_logits, token_logprobs
 from verifier_service.batcher import Batcher, Engine
+from verifier_service.constraints import session_matcher
 from verifier_service.engine import Forward
 
 
@@ -144,6 +146,7 @@ class VerifierSession:
                 f"({self.max_new_tokens}) leaves nothing to generate"
             )
         self.stop_token_ids = stop_set(spec.stop_token_ids, spec.ignore_eos, info.eos_token_ids)
+        self.matcher = self._constraint_matcher(spec)  # structured output: None when unconstrained
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.read_length = len(self.committed)  # a thin session: what its edge says it has read
         self.last_round = 0
@@ -171,6 +174,26 @@ class VerifierSession:
                 f"this session was verified with numerics {spec.numerics}; this verifier computes "
                 f"{numerics}, which could give other tokens: it cannot continue the session here"
             )
+
+    def _constraint_matcher(self, spec: SessionSpec):
+        """The constraint's matcher after the resumed tokens; raises InvalidRequest for one that does not
+        compile (naming the field) or that the resumed tokens break, WrongState where none is served."""
+        if spec.constraint is None:
+            return None
+        if spec.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot go with a constraint: the output ends where it completes")
+        try:
+            matcher = session_matcher(self.batcher.engine, spec)
+        except InvalidConstraint as e:
+            raise InvalidRequest(str(e)) from None
+        except LookupError as e:
+            raise WrongState(str(e)) from None
+        held = matcher.follow(spec.generated_token_ids)
+        if held < len(spec.generated_token_ids):
+            raise InvalidRequest(
+                f"generated token {held} ({spec.generated_token_ids[held]}) breaks the session's constraint"
+            )
+        return matcher
 
     @staticmethod
     def check_lengths(info, prompt_length: int, max_new_tokens: int) -> None:
@@ -320,12 +343,16 @@ class VerifierSession:
         length, params = len(self.committed), self.spec.sampling
         prompt_length = len(self.spec.prompt_token_ids)
         scores = adjusted_logits(logits.numpy(), params, self.committed, prompt_length, begun.draft)
+        if self.matcher is not None:  # each row under the constraint after the draft tokens before it
+            scores = masked_logits(scores, self.matcher.masks(begun.draft, self.stop_token_ids))
         target = choose_tokens(scores, length, params).tolist()
         accepted, target_token, self.finish = commit_round(
             begun.draft, target, self.stop_token_ids, begun.budget
         )
         new = [*begun.draft[:accepted], *([target_token] if target_token is not None else [])]
         self.committed += new
+        if self.matcher is not None:
+            self.matcher.follow(self.generated)
         logprobs = ()
         if self.spec.top_logprobs is not None:  # from the rows that chose the committed tokens
             logprobs = tuple(token_logprobs(scores[: len(new)], new, params, self.spec.top_logprobs))

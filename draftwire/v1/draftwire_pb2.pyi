@@ -30,7 +30,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics", "plain_steps", "thin_sessions")
+    __slots__ = ("target_id", "vocab_size", "tokenizer_fingerprint", "max_gamma", "max_context", "special_tokens", "chat_template", "max_message_bytes", "numerics", "plain_steps", "thin_sessions", "constraints")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class ModelInfo(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     THIN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -53,7 +54,8 @@ class ModelInfo(_message.Message):
     numerics: Numerics
     plain_steps: bool
     thin_sessions: bool
-    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ..., plain_steps: _Optional[bool] = ..., thin_sessions: _Optional[bool] = ...) -> None: ...
+    constraints: bool
+    def __init__(self, target_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_context: _Optional[int] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., chat_template: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., numerics: _Optional[_Union[Numerics, _Mapping]] = ..., plain_steps: _Optional[bool] = ..., thin_sessions: _Optional[bool] = ..., constraints: _Optional[bool] = ...) -> None: ...
 
 class Numerics(_message.Message):
     __slots__ = ("dtype", "kernels", "device", "exact", "identity")
@@ -119,7 +121,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics", "top_logprobs", "handoff")
+    __slots__ = ("prompt_token_ids", "sampling", "stop", "tokenizer_fingerprint", "generated_token_ids", "vocab_size", "drafting", "numerics", "top_logprobs", "handoff", "constraint")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class OpenSession(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stop: StopConditions
@@ -140,7 +143,20 @@ class OpenSession(_message.Message):
     numerics: str
     top_logprobs: int
     handoff: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., handoff: _Optional[bool] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., numerics: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., handoff: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_object", "json_schema", "grammar", "regex")
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    json_object: bool
+    json_schema: str
+    grammar: str
+    regex: str
+    def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., grammar: _Optional[str] = ..., regex: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids")

@@ -1,0 +1,43 @@
+"""The verifier's side of structured output: its target's tokenizer for llguidance, and a session's matcher.
+
+The tokenizer is built once per engine, from the transformers tokenizer `TargetEngine.load` keeps (about a
+second for a vocabulary of 150k); an engine without one (a fake) serves no constraint.
+"""
+
+from __future__ import annotations
+
+import llguidance
+
+from draftwire.contract import SessionSpec
+from draftwire.grammar import Matcher, compile_constraint
+
+
+def grammar_tokenizer(engine) -> llguidance.LLTokenizer | None:
+    """llguidance's tokenizer of the engine's target, or None when the engine has no tokenizer."""
+    cached = getattr(engine, "_grammar_tokenizer", None)
+    if cached is not None:
+        return cached
+    hf = getattr(engine, "tokenizer", None)
+    if hf is None:
+        return None
+    import llguidance.hf  # imports transformers, which the verifier has and the edge does not
+
+    eos = list(engine.info.eos_token_ids) or None
+    built = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+    engine._grammar_tokenizer = built
+    return built
+
+
+def serves_constraints(engine) -> bool:
+    return getattr(engine, "tokenizer", None) is not None
+
+
+def session_matcher(engine, spec: SessionSpec) -> Matcher | None:
+    """The session's matcher at the start of its output, or None for an unconstrained session. Raises
+    InvalidConstraint (draftwire.grammar) naming the field, LookupError when the engine serves none."""
+    if spec.constraint is None:
+        return None
+    tokenizer = grammar_tokenizer(engine)
+    if tokenizer is None:
+        raise LookupError("this verifier serves no constraint (its engine has no tokenizer)")
+    return compile_constraint(spec.constraint, tokenizer)
