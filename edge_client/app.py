@@ -17,8 +17,6 @@ import json
 import logging
 import os
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +31,7 @@ from draftwire.aio import within
 from draftwire.contract import Drafting
 from edge_client import guard as guards
 from edge_client.chat import special_piece
+from edge_client.contexts import Contexts
 from edge_client.openai_api import (
     HTTP_STATUS,
     ApiError,
@@ -52,7 +51,7 @@ from edge_client.openai_api import (
 from edge_client.planner import GenerationStats
 from edge_client.session import EdgeSession, GenerationRequest, Timeouts, VerifierError
 from edge_client.store import NotFound, Store
-from edge_client.template import Piece, TemplateRefused, TemplateRenderer
+from edge_client.template import TemplateRefused, TemplateRenderer
 from edge_client.trust import UntrustedVerifier, check_model_info
 
 log = logging.getLogger(__name__)
@@ -166,58 +165,6 @@ class Reply:
         except ConnectionError:
             log.info("client disconnected mid-reply")
         return response
-
-
-@dataclass
-class Contexts:
-    """The token ids of recent conversations, and their text: a prompt whose text extends one of them
-    is those ids plus the new text's, so the verifier's and the draft's caches match it up to the new
-    turn (tokenizing the whole text again may split the reply's tokens differently)."""
-
-    drafter: object
-    size: int = 32
-    _recent: OrderedDict[tuple[int, ...], str | None] = field(default_factory=OrderedDict)
-
-    def __post_init__(self):
-        self._lock = threading.Lock()  # prompt() runs in a worker thread
-
-    def prompt(self, pieces: list[Piece], hint: list[int] | None = None) -> list[int]:
-        """The ids of the rendered chat (blocking: run it off the event loop). The template's pieces are
-        tokenized with their special tokens, the messages' contents as text."""
-        if hint:
-            self.remember(hint)
-        text = "".join(p.text for p in pieces)
-        base, base_text = (), ""
-        with self._lock:
-            recent = list(self._recent.items())
-        for ids, seen in recent:
-            if seen is None:
-                seen = self.drafter.llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
-                with self._lock:
-                    if ids in self._recent:
-                        self._recent[ids] = seen
-            if len(seen) > len(base_text) and text.startswith(seen):
-                base, base_text = ids, seen
-        out, skip = list(base), len(base_text)
-        for piece in pieces:
-            if skip >= len(piece.text):
-                skip -= len(piece.text)
-                continue
-            out += self._tokenize(piece.text[skip:], special=not piece.content)
-            skip = 0
-        return out
-
-    def remember(self, ids: list[int]) -> None:
-        key = tuple(ids)
-        with self._lock:
-            if key not in self._recent:
-                self._recent[key] = None  # its text: detokenized when a prompt needs it, off the loop
-            self._recent.move_to_end(key)
-            while len(self._recent) > self.size:
-                self._recent.popitem(last=False)
-
-    def _tokenize(self, text: str, special: bool) -> list[int]:
-        return self.drafter.llm.tokenize(text.encode("utf-8"), add_bos=False, special=special) if text else []
 
 
 class EdgeApp:
