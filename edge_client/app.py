@@ -204,6 +204,7 @@ class EdgeApp:
         app.add_routes(
             [
                 web.get("/", self.page),
+                web.get("/favicon.ico", self.favicon),
                 web.static("/static", WEB),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics.page),
@@ -338,6 +339,10 @@ class EdgeApp:
 
     async def page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(WEB / "index.html")
+
+    async def favicon(self, request: web.Request) -> web.FileResponse:
+        """The page's icon where a browser or tool asks the old way, without reading the page's link."""
+        return web.FileResponse(WEB / "favicon.svg", headers={"Content-Type": "image/svg+xml"})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the verifier says SERVING, else 503 with the reason. Answered from the last check of

@@ -26,7 +26,7 @@ from edge_client.openai_api import ApiError
 
 API_KEY_ENV = "DRAFTWIRE_EDGE_API_KEY"
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "127.0.0.1", "::1"})
-OPEN_PATHS = ("/", "/health")  # and /static/...: the page itself, and the liveness probe
+OPEN_PATHS = ("/", "/favicon.ico", "/health")  # and /static/...: the page, its icon, the liveness probe
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type"
 

@@ -42,6 +42,7 @@ function showError(message) {
 }
 
 function figuresText(figures) {
+  if (figures && !figures.timings && figures.finish_reason === "cancelled") return "stopped";
   if (!figures || !figures.timings) return "";
   const t = figures.timings;
   const parts = [
@@ -65,12 +66,27 @@ function figuresText(figures) {
   return parts.join(" · ");
 }
 
+// A reply's text as markdown: marked makes the HTML, DOMPurify strips from it anything that could run (a
+// model's output is untrusted), and images too: the page fetches nothing a model names. Both libraries are
+// vendored in web/vendor. A user's own message stays plain text.
+const SANITIZE = { FORBID_TAGS: ["img", "style", "form", "input", "button", "textarea", "select"] };
+function render(el, markdown) {
+  el.innerHTML = DOMPurify.sanitize(marked.parse(markdown, { gfm: true, breaks: true }), SANITIZE);
+}
+
+// `source`: the message's text as stored (a reply's markdown); what Stop says was shown.
+function setText(div, text) {
+  div.source = text;
+  const el = div.querySelector(".text");
+  if (div.classList.contains("assistant")) render(el, text); else el.textContent = text;
+}
+
 function addMessage(role, content, figures) {
   const div = document.createElement("div");
   div.className = `msg ${role}`;
   div.innerHTML = '<div class="who"></div><div class="text"></div><div class="figures"></div>';
   div.querySelector(".who").textContent = role === "user" ? "you" : "draftwire";
-  div.querySelector(".text").textContent = content;
+  setText(div, content);
   setFigures(div, figures);
   $("messages").appendChild(div);
   $("messages").scrollTop = $("messages").scrollHeight;
@@ -94,7 +110,7 @@ async function loadList() {
     li.className = c.id === current ? "active" : "";
     li.innerHTML = '<span></span><button title="Delete">×</button>';
     li.querySelector("span").textContent = c.title;
-    li.querySelector("span").onclick = () => openConversation(c.id);
+    li.querySelector("span").onclick = () => { openSidebar(false); openConversation(c.id); };
     li.querySelector("button").onclick = async () => {
       await api(`/api/conversations/${c.id}`, { method: "DELETE" });
       if (current === c.id) { current = null; $("messages").innerHTML = ""; location.hash = ""; }
@@ -153,6 +169,21 @@ async function newConversation() {
   try { await mine; } finally { if (making === mine) making = null; }
 }
 
+// A stopped reply's figures (its tokens, acceptance and rate, marked stopped) once the edge has stored it,
+// a moment after the stream closed; until then, "stopped".
+async function stoppedFigures(reply, id) {
+  for (let i = 0; i < 40 && reply.isConnected; i++) {
+    await new Promise((resolve) => setTimeout(resolve, 250));
+    let c;
+    try { c = await api(`/api/conversations/${id}`); } catch (e) { return; }
+    const last = c.messages[c.messages.length - 1];
+    if (last && last.role === "assistant" && last.figures && last.figures.finish_reason === "cancelled") {
+      if (reply.isConnected && current === id) setFigures(reply, last.figures);
+      return;
+    }
+  }
+}
+
 async function send(text) {
   if (making) await making.catch(() => {});
   if (!current) await newConversation();
@@ -160,6 +191,14 @@ async function send(text) {
   addMessage("user", text);
   const reply = addMessage("assistant", "");
   const out = reply.querySelector(".text");
+  const id = current;
+  reply.classList.add("typing");  // until the first token (or an error, or Stop)
+  let drawn = false;  // a render of the reply's markdown is scheduled
+  const draw = () => {
+    if (drawn) return;
+    drawn = true;
+    requestAnimationFrame(() => { drawn = false; if (!out.classList.contains("tokens")) render(out, reply.source); });
+  };
   controller = new AbortController();
   stopping = null;
   $("send").hidden = true; $("stop").hidden = false;
@@ -190,25 +229,39 @@ async function send(text) {
         const choice = chunk.choices && chunk.choices[0];
         if (stopping !== null) break;
         if (choice && choice.delta && choice.delta.content) {
+          reply.classList.remove("typing");
           replyText += choice.delta.content;
-          if (!choice.logprobs) out.append(choice.delta.content);
+          reply.source = replyText;
+          if (!choice.logprobs) draw();
           $("messages").scrollTop = $("messages").scrollHeight;
         }
-        if (choice && choice.logprobs) for (const t of choice.logprobs.content) out.appendChild(tokenSpan(t));
+        // With token probabilities, the reply is shown as its tokens (plain text), each with its figures.
+        if (choice && choice.logprobs) {
+          out.classList.add("tokens");
+          for (const t of choice.logprobs.content) out.appendChild(tokenSpan(t));
+        }
         if (choice && choice.finish_reason) {
-          if (out.textContent !== replyText) out.textContent = replyText;  // a stop string cut the tokens' text
+          reply.classList.remove("typing");
+          if (out.classList.contains("tokens")) {
+            if (out.textContent !== replyText) out.textContent = replyText;  // a stop string cut the tokens' text
+          } else {
+            render(out, replyText);
+          }
           setFigures(reply, { ...chunk, finish_reason: choice.finish_reason });
         }
       }
     }
   } catch (e) {
     if (e.name === "AbortError") {
-      reply.querySelector(".figures").textContent = "stopped";
+      if (!out.classList.contains("tokens")) render(out, reply.source);
+      setFigures(reply, { finish_reason: "cancelled" });
+      stoppedFigures(reply, id);
     } else {
       if (!out.textContent) reply.remove();  // nothing was committed: no empty bubble, the error instead
       showError(e.message);
     }
   } finally {
+    reply.classList.remove("typing");
     controller = null;
     $("send").hidden = false; $("stop").hidden = true;
     await loadList();
@@ -230,14 +283,21 @@ $("input").onkeydown = (event) => {
 let stopping = null;   // the reply's text when Stop was pressed
 $("stop").onclick = () => {
   if (!controller) return;
-  const out = document.querySelector(".msg.assistant:last-child .text");
-  stopping = out ? out.textContent : "";
+  const reply = document.querySelector(".msg.assistant:last-child");
+  stopping = reply ? reply.source : "";
   const id = current;
   controller.abort();
   api(`/api/conversations/${id}/stop`, { method: "POST", body: JSON.stringify({ shown: stopping }) })
     .catch(() => {});
 };
-$("new-chat").onclick = () => newConversation();
+$("new-chat").onclick = () => { openSidebar(false); newConversation(); };
+// Narrow screens (style.css): the sidebar opens over the chat from ☰, and closes on a choice or outside it.
+function openSidebar(open) {
+  document.body.classList.toggle("sidebar-open", open);
+  $("menu").setAttribute("aria-expanded", String(open));
+}
+$("menu").onclick = (event) => { event.stopPropagation(); openSidebar(!document.body.classList.contains("sidebar-open")); };
+$("messages").onclick = () => openSidebar(false);
 
 (async function start() {
   try {

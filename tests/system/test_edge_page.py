@@ -8,6 +8,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import shutil
 import sqlite3
 import threading
@@ -70,7 +71,7 @@ def test_send_see_the_reply_stream_in_reload_and_find_it_kept(page):
     )
     page.reload()
     expect(page.locator(".msg")).to_have_count(4)
-    expect(page.locator(".msg.assistant").first.locator(".text")).to_have_text(text)
+    expect(page.locator(".msg.assistant").first.locator(".text")).to_have_text(text, use_inner_text=True)
     expect(page.locator(".msg.assistant").first.locator(".figures")).to_contain_text("acceptance")
     if os.environ.get("DRAFTWIRE_SCREENSHOT"):
         page.screenshot(path=os.environ["DRAFTWIRE_SCREENSHOT"])
@@ -89,9 +90,12 @@ def test_the_stop_button_ends_a_reply_and_a_new_chat_starts_empty(page):
     expect(reply.locator(".text")).not_to_have_text("", timeout=60_000)
     page.click("#stop")
     expect(page.locator("#send")).to_be_visible()
-    shown = reply.locator(".text").inner_text()
-    assert len(shown) < 900 * 2  # stopped well before its budget
-    expect(reply.locator(".figures")).to_have_text("stopped")
+    shown = reply.evaluate("e => e.source")  # the reply's text (markdown) as shown when Stop was pressed
+    assert shown and len(shown) < 900 * 2  # stopped well before its budget
+    # The stopped reply's figures, once the edge has stored it: its tokens and rate, marked stopped.
+    expect(reply.locator(".figures")).to_contain_text("stopped")
+    expect(reply.locator(".figures")).to_contain_text("tokens/s", timeout=30_000)
+    expect(reply.locator(".figures")).to_contain_text("acceptance")
     expect(page.locator("#conversations li")).to_have_count(2)
     # What was shown is kept, marked stopped, and the app answers the next message.
     # The app stores the stopped reply when it notices the disconnect, a moment after the click.
@@ -105,7 +109,7 @@ def test_the_stop_button_ends_a_reply_and_a_new_chat_starts_empty(page):
         time.sleep(0.2)
     expect(figures.last).to_contain_text("stopped")
     # Stored exactly as it was shown (the page reads the store: SQLite), not the text the edge sent on.
-    assert page.locator(".msg.assistant .text").last.inner_text() == shown
+    assert page.locator(".msg.assistant").last.evaluate("e => e.source") == shown
     with contextlib.closing(sqlite3.connect(page.db)) as db:
         role, content, figures = db.execute(
             "SELECT role, content, figures FROM messages ORDER BY id DESC LIMIT 1"
@@ -284,3 +288,122 @@ def test_demo_web_starts_a_verifier_and_the_edge_app(tmp_path):
     assert (
         tmp_path / "draftwire" / "edge.sqlite3"
     ).is_file()  # conversations go to the user's data directory
+
+
+def _stored_reply(page) -> int:
+    """The id of the open conversation's stored reply, once the app has stored it."""
+    made, deadline, row = page.evaluate("location.hash").lstrip("#"), time.monotonic() + 30, None
+    while row is None and time.monotonic() < deadline:
+        with contextlib.closing(sqlite3.connect(page.db)) as db:
+            row = db.execute(
+                "SELECT id FROM messages WHERE role = 'assistant' AND conversation_id = ? ORDER BY id DESC",
+                (made,),
+            ).fetchone()
+        time.sleep(0.1)
+    return row[0]
+
+
+MARKDOWN = """Here is **the sum**, with `sum(xs)`:
+
+```python
+def total(xs):
+    return sum(xs) < 3
+```
+
+<img src=x onerror="window.pwned = 1"><script>window.pwned = 2</script>
+[a link](javascript:window.pwned=3) <iframe src="javascript:window.pwned=4"></iframe>
+"""
+
+
+def test_a_reply_renders_its_markdown_and_code_and_nothing_in_it_runs(page):
+    """A reply is markdown (the realistic pair is a code model): shown with its emphasis and code blocks,
+    and whatever HTML or script a model writes is stripped before it reaches the page (a stored reply's
+    text is set so, as a model could have written it, and the page reloaded)."""
+    before = page.evaluate("location.hash")
+    page.click("#new-chat")
+    page.wait_for_function("h => location.hash && location.hash !== h", arg=before)
+    ask(page, "Return the sum of a list.", 4)
+    mid = _stored_reply(page)
+    with contextlib.closing(sqlite3.connect(page.db)) as db, db:
+        db.execute("UPDATE messages SET content = ? WHERE id = ?", (MARKDOWN, mid))
+    page.reload()
+    text = page.locator(".msg.assistant .text").last
+    expect(text.locator("strong")).to_have_text("the sum")
+    expect(text.locator("p code").first).to_have_text("sum(xs)")
+    expect(text.locator("pre code")).to_have_text("def total(xs):\n    return sum(xs) < 3\n")
+    assert text.locator("script, iframe, img, [onerror]").count() == 0  # nothing runs, nothing is fetched
+    assert text.locator("a[href^='javascript']").count() == 0
+    page.wait_for_timeout(300)  # an image's error handler would have run by now
+    assert page.evaluate("window.pwned") is None
+    # The user's own message is plain text, markdown and all.
+    assert page.locator(".msg.user .text").last.inner_text() == "Return the sum of a list."
+
+
+def test_a_reply_shows_it_is_coming_between_send_and_its_first_token(page):
+    """The message's request held back: the reply's bubble says it is typing until its first token."""
+    held = []
+
+    def hold(route):
+        if route.request.method == "POST" and not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/api/conversations/*/messages", hold)
+    page.fill("#max-tokens", "4")
+    page.fill("#input", "Return the sum of a list.")
+    page.click("#send")
+    while not held:
+        page.wait_for_timeout(20)
+    reply = page.locator(".msg.assistant").last
+    expect(reply).to_have_class(re.compile(r"\btyping\b"))
+    assert "typing" in reply.locator(".text").evaluate("e => getComputedStyle(e, '::after').content")
+    held[0].continue_()
+    expect(reply.locator(".figures")).to_contain_text("acceptance", timeout=60_000)
+    expect(reply).not_to_have_class(re.compile(r"\btyping\b"))
+    page.unroute("**/api/conversations/*/messages")
+
+
+def test_the_page_has_an_icon_and_asks_for_nothing_missing(page):
+    missing = []
+    page.on("response", lambda r: missing.append(r.url) if r.status >= 400 else None)
+    page.reload()
+    expect(page.locator("#model")).to_contain_text("verified remotely")
+    assert missing == []
+    base = page.url.split("#")[0]
+    icon = page.locator("link[rel=icon]").get_attribute("href")
+    for path in (icon.lstrip("/"), "favicon.ico"):  # the page's link, and where other clients look
+        with urllib.request.urlopen(base + path, timeout=30) as response:
+            assert response.headers["Content-Type"].startswith("image/")
+            assert b"<svg" in response.read()
+
+
+def test_the_probabilities_box_sits_beside_its_label(page):
+    box = page.locator("#probs").bounding_box()
+    words = page.evaluate(
+        """() => { const r = document.createRange();
+        r.selectNodeContents(document.querySelector("#probs").parentNode.lastChild);
+        const b = r.getBoundingClientRect(); return { x: b.x, y: b.y, height: b.height }; }"""
+    )
+    assert 0 <= words["x"] - (box["x"] + box["width"]) < 12, (box, words)
+    assert abs((box["y"] + box["height"] / 2) - (words["y"] + words["height"] / 2)) < 8, (box, words)
+
+
+def test_at_420_px_the_sidebar_folds_away_and_the_chat_takes_the_width(page):
+    narrow = page.context.browser.new_page(viewport={"width": 420, "height": 800})
+    try:
+        narrow.goto(page.url.split("#")[0])
+        expect(narrow.locator("#model")).to_contain_text("verified remotely")
+        expect(narrow.locator("#sidebar")).not_to_be_visible()
+        assert narrow.locator("main").bounding_box()["width"] >= 400
+        send = narrow.locator("#send").bounding_box()
+        assert send["x"] + send["width"] <= 420
+        assert narrow.locator("#input").bounding_box()["width"] >= 250
+        narrow.click("#menu")  # ☰ opens it over the chat; choosing a conversation closes it
+        expect(narrow.locator("#sidebar")).to_be_visible()
+        expect(narrow.locator("#conversations li").first).to_be_visible()
+        narrow.locator("#conversations li span").first.click()
+        expect(narrow.locator("#sidebar")).not_to_be_visible()
+        expect(narrow.locator(".msg").first).to_be_visible()
+    finally:
+        narrow.close()
