@@ -241,7 +241,7 @@ class EdgeApp:
         """Asks the verifier what it serves and checks the answer; returns its ModelInfo, or None when the
         verifier cannot be reached yet (checked then at the first request). Raises UntrustedVerifier."""
         try:
-            return await within(self._info(), timeout_s)
+            return await within(self._info(log_refusal=False), timeout_s)  # the caller says a refusal
         except (VerifierError, TimeoutError):
             return None
         except ApiError as e:
@@ -510,9 +510,9 @@ class EdgeApp:
 
     # --- generation ----------------------------------------------------------------------------------
 
-    async def _info(self):
+    async def _info(self, log_refusal: bool = True):
         """The verifier's ModelInfo, checked (edge_client.trust): one that does not hold up is refused
-        (502, with the reason), and nothing of it is used."""
+        (502, with the reason; logged unless `log_refusal` is false), and nothing of it is used."""
         try:
             info = await self.session.model_info()
         except grpc.aio.AioRpcError as e:
@@ -522,7 +522,8 @@ class EdgeApp:
                 check_model_info(info, self._vocab_size())
             except UntrustedVerifier as e:
                 self.session._info = None  # asked again next time (the verifier may be replaced)
-                log.error("refusing the verifier %s: %s", self.config.server, e)
+                if log_refusal:
+                    log.error("refusing the verifier %s: %s", self.config.server, e)
                 raise ApiError(
                     502, f"refusing the verifier {self.config.server}: {e}", code="bad_verifier"
                 ) from None
