@@ -74,6 +74,7 @@ def generate(args) -> int:
                 pipeline=args.pipeline,
                 drafting=Drafting.EDGE if drafter else Drafting(args.server_drafting),
                 top_logprobs=args.logprobs,
+                constraint=configs.constraint(args),
             )
             async for _ in session.generate(request, stats, tokens, logprobs):
                 pass
@@ -141,6 +142,7 @@ def reference(args) -> int:
         args.max_new_tokens,
         ignore_eos=args.ignore_eos,
         top_logprobs=args.logprobs,
+        constraint=configs.constraint(args),
     )
     start = time.perf_counter()
     logprobs: list = []

@@ -115,6 +115,25 @@ def sampling(args) -> SamplingParams:
         raise UserError(str(e)) from None
 
 
+def constraint(args):
+    """The --json-object / --json-schema / --grammar / --regex constraint, or None. Raises UserError for a
+    file it cannot read."""
+    from draftwire.contract import Constraint, ConstraintKind
+
+    if getattr(args, "json_object", False):
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if getattr(args, "regex", None) is not None:
+        return Constraint(ConstraintKind.REGEX, args.regex)
+    for name, kind in (("json_schema", ConstraintKind.JSON_SCHEMA), ("grammar", ConstraintKind.GRAMMAR)):
+        path = getattr(args, name, None)
+        if path is not None:
+            try:
+                return Constraint(kind, path.read_text())
+            except (OSError, UnicodeDecodeError) as e:
+                raise UserError(f"--{name.replace('_', '-')} {path}: {e}") from None
+    return None
+
+
 def chat_config(args):
     from edge_client.chat import ChatConfig
 

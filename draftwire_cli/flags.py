@@ -224,6 +224,20 @@ def add_logprobs(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_constraint(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "structured output (docs/edge-app.md#structured-output-and-tools)"
+    ).add_mutually_exclusive_group()
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help="the output is JSON valid under this schema"
+    )
+    g.add_argument(
+        "--grammar", type=Path, metavar="FILE", help="the output matches this Lark grammar (llguidance's)"
+    )
+    g.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+
+
 def add_speculation(p: argparse.ArgumentParser) -> None:
     adaptive = "; unset: chosen online for the most tokens/s (adaptive)"
     p.add_argument("--gamma", type=gamma, default=None, help="draft tokens per round" + adaptive)

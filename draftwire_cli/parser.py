@@ -14,6 +14,7 @@ from draftwire_cli.flags import (
     Parser,
     add_chat,
     add_client_security,
+    add_constraint,
     add_edge_app,
     add_edge_safety,
     add_json,
@@ -167,6 +168,7 @@ def _generate(sub) -> None:
     add_sampling(p)
     add_json(p)
     add_logprobs(p)
+    add_constraint(p)
     add_timeouts(p)
     add_client_security(p)
 
@@ -179,6 +181,7 @@ def _reference(sub) -> None:
     add_sampling(p)
     add_json(p)
     add_logprobs(p)
+    add_constraint(p)
 
 
 def _chat(sub) -> None:

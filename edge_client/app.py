@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from draftwire import wire
 from draftwire.aio import within
-from draftwire.contract import Drafting
+from draftwire.contract import Constraint, Drafting
 from edge_client import guard as guards
 from edge_client.chat import special_piece
 from edge_client.contexts import Contexts
@@ -51,6 +51,7 @@ from edge_client.openai_api import (
 from edge_client.planner import GenerationStats
 from edge_client.session import EdgeSession, GenerationRequest, Timeouts, VerifierError
 from edge_client.store import NotFound, Store
+from edge_client.structured import Tools, held_back, split_tool_calls, template_messages
 from edge_client.template import TemplateRefused, TemplateRenderer
 from edge_client.trust import UntrustedVerifier, check_model_info
 
@@ -118,6 +119,23 @@ class Reply:
     figures: dict
     wants_logprobs: bool
     sent: int = 0  # logprobs entries already sent
+    tools: Tools | None = None  # the request's tools: calls in the reply are read as tool_calls
+    streamed: str = ""  # a streamed reply's text so far, with tools
+    shown: int = 0  # characters of it sent as content (held back from a tool call's tag on)
+
+    @property
+    def calls_read(self) -> bool:
+        return self.tools is not None and self.tools.choice != "none"
+
+    def tool_calls(self) -> tuple[str | None, list[dict]]:
+        """The reply's content and tool calls; a reply with calls finishes with `tool_calls`."""
+        o = self.outcome
+        if not self.calls_read:
+            return o.text, []
+        content, calls = split_tool_calls(o.text, self.tools)
+        if calls and o.finish_reason in ("stop", "length"):
+            o.finish_reason = "tool_calls"
+        return content, calls
 
     def unsent(self) -> list[dict] | None:
         if not self.wants_logprobs:
@@ -131,8 +149,9 @@ class Reply:
 
     def whole(self) -> web.Response:
         o = self.outcome
+        content, calls = self.tool_calls()
         return web.json_response(
-            self.shape.complete(o.text, o.finish_reason, o.usage(), self._end(), self.unsent())
+            self.shape.complete(content, o.finish_reason, o.usage(), self._end(), self.unsent(), calls),
         )
 
     async def stream(self, request: web.Request, run, first: str | None, include_usage: bool):
@@ -150,11 +169,20 @@ class Reply:
                 await _send(response, shape.chunk("", first=True))
             piece = first
             while piece is not None:
-                fresh = self.unsent()
-                await _send(
-                    response, shape.chunk(piece, logprobs=fresh) if chat else shape.text_chunk(piece, fresh)
-                )
+                if self.calls_read:  # content up to a tool call's tag; the calls go at the end
+                    self.streamed += piece
+                    upto = max(self.shown, held_back(self.streamed))
+                    piece, self.shown = self.streamed[self.shown : upto], upto
+                if piece or not self.calls_read:
+                    fresh = self.unsent()
+                    chunk = shape.chunk(piece, logprobs=fresh) if chat else shape.text_chunk(piece, fresh)
+                    await _send(response, chunk)
                 piece = await anext(run, None)
+            if self.calls_read:
+                _, calls = self.tool_calls()
+                rest = self.outcome.text[self.shown :]
+                if calls or rest:
+                    await _send(response, shape.chunk(None if calls else rest, tool_calls=calls or None))
             await _send(response, shape.final_chunk(self.outcome.finish_reason, self._end(), self.unsent()))
             if include_usage:
                 await _send(response, shape.usage_chunk(self.outcome.usage()))
@@ -404,7 +432,7 @@ class EdgeApp:
             req = parse_chat(await _json(request), self.config.defaults)
             info = await self._info()
             self._check_model(req.model, info)
-            prompt = await self._chat_prompt(list(req.messages))
+            prompt = await self._chat_prompt(list(req.messages), tools=req.tools)
             req = self._budget(req, prompt, info, "messages")
             return await self._respond(request, req, prompt, chat=True)
 
@@ -530,9 +558,12 @@ class EdgeApp:
             self._checked_info = info
         return info
 
-    async def _chat_prompt(self, messages: list[dict], hint: list[int] | None = None) -> list[int]:
+    async def _chat_prompt(
+        self, messages: list[dict], hint: list[int] | None = None, tools: Tools | None = None
+    ) -> list[int]:
         info = await self._info()
         target = info.target
+        messages, offered = template_messages(messages, tools, target.chat_template)
         if not target.chat_template:
             last = messages[-1]["content"]
             await self._too_long(len(last.encode("utf-8", "replace")), info, "messages")
@@ -540,16 +571,19 @@ class EdgeApp:
         bos = special_piece(self.drafter, target.bos_token_id)
         eos = special_piece(self.drafter, target.eos_token_ids[0] if target.eos_token_ids else None)
         try:
-            pieces = await self.renderer.render(target.chat_template, messages, bos, eos)
+            pieces = await self.renderer.render(target.chat_template, messages, bos, eos, offered)
         except TemplateRefused as e:  # it refuses the conversation (roles out of order), or ran past a limit
             raise BadRequest(str(e), "messages") from None
         text = "".join(p.text for p in pieces)
         await self._too_long(len(text.encode("utf-8", "replace")), await self._info(), "messages")
         return await asyncio.to_thread(self.contexts.prompt, pieces, hint)
 
-    async def _reply(self, prompt: list[int], settings: Settings, outcome: Outcome) -> AsyncIterator[str]:
-        """The reply's text as it is verified, cut at a stop string; `outcome` is filled in as it goes
-        (also when the reader stops early: the text so far, finish "cancelled"). One reply at a time."""
+    async def _reply(
+        self, prompt: list[int], settings: Settings, outcome: Outcome, constraint: Constraint | None = None
+    ) -> AsyncIterator[str]:
+        """The reply's text as it is verified, cut at a stop string, under `constraint` when given;
+        `outcome` is filled in as it goes (also when the reader stops early: the text so far, finish
+        "cancelled"). One reply at a time."""
         async with self.lock:
             info = await self._info()
             request = GenerationRequest(
@@ -560,6 +594,7 @@ class EdgeApp:
                 pipeline=self.config.pipeline,
                 drafting=self.config.drafting,
                 top_logprobs=settings.logprobs,
+                constraint=constraint,
             )
             text = _TextStream(self.drafter, info.target.eos_token_ids, settings.stop)
             parts, logprobs = [], []
@@ -609,8 +644,9 @@ class EdgeApp:
         await self._connected()
         seed = req.settings.sampling().seed
         outcome = Outcome("", "cancelled", prompt, [], GenerationStats(), seed)
-        reply = Reply(shape, outcome, {**(extra or {}), "seed": seed}, req.settings.logprobs is not None)
-        run = self._reply(prompt, req.settings, outcome)
+        figures, logprobs = {**(extra or {}), "seed": seed}, req.settings.logprobs is not None
+        reply = Reply(shape, outcome, figures, logprobs, tools=req.tools)
+        run = self._reply(prompt, req.settings, outcome, req.constraint)
         try:
             async with contextlib.aclosing(run):
                 first = await anext(run, None)  # a refusal of the open raises here

@@ -17,8 +17,15 @@ from typing import Any
 
 import grpc
 
-from draftwire.contract import MAX_TOP_LOGPROBS, InvalidSampling, SamplingParams, TokenLogprob
+from draftwire.contract import MAX_TOP_LOGPROBS, Constraint, InvalidSampling, SamplingParams, TokenLogprob
 from edge_client.planner import GenerationStats
+from edge_client.structured import (
+    StructuredRequestError,
+    Tools,
+    parse_response_format,
+    parse_tools,
+    tool_message,
+)
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 MAX_UINT32 = 2**32 - 1  # top_k and max_tokens travel as uint32
@@ -43,12 +50,20 @@ SETTINGS_FIELDS = (
     "logit_bias",
     "logprobs",
 )
-CHAT_FIELDS = (*SETTINGS_FIELDS, "model", "messages", "stream", "stream_options", "top_logprobs")
+# Structured output (edge_client/structured.py): a constraint the verifier masks with, tool calls.
+STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+CHAT_FIELDS = (
+    *SETTINGS_FIELDS,
+    *STRUCTURED_FIELDS,
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "top_logprobs",
+)
 COMPLETION_FIELDS = (*SETTINGS_FIELDS, "model", "prompt", "stream", "stream_options")
 LABEL_FIELDS = ("user", "metadata")
-# Fields not implemented yet that still pass unread, as before the check (structured output implements
-# them and takes them off this list).
-PASSED_UNREAD = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+PASSED_UNREAD = ()  # fields taken unread, as before the check (none now)
 
 
 class ApiError(Exception):
@@ -134,6 +149,8 @@ class CompletionRequest:
     prompt: str | None = None  # completions
     model: str | None = None  # the `model` the request names (None: none named)
     max_tokens_given: bool = True  # False: the default, cut to what the context leaves
+    constraint: Constraint | None = None  # response_format, or tool calls required
+    tools: Tools | None = None  # chat: the tools offered, and tool_choice
 
 
 def parse_settings(body: dict[str, Any], defaults: Settings, chat: bool = True) -> Settings:
@@ -193,12 +210,28 @@ def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+        constraint = parse_response_format(body.get("response_format"))
+        calls = tools.constraint() if tools is not None else None
+        if calls is not None:
+            if constraint is not None:
+                raise StructuredRequestError(
+                    "response_format cannot go with tool_choice required or a named function: the reply "
+                    "is tool calls",
+                    "response_format",
+                )
+            constraint = calls
+    except StructuredRequestError as e:
+        raise BadRequest(str(e), e.param) from None
     return CompletionRequest(
         settings,
         *_stream_fields(body),
         messages=tuple(_message(m, i) for i, m in enumerate(messages)),
         model=_model(body),
         max_tokens_given=_max_tokens_given(body),
+        constraint=constraint,
+        tools=tools,
     )
 
 
@@ -246,6 +279,11 @@ def _message(m: Any, i: int = 0) -> dict[str, str]:
     if not isinstance(m, dict):
         raise BadRequest(f"{where} must be an object with a role and a content", where)
     role = m.get("role")
+    if role == "tool" or (role == "assistant" and m.get("tool_calls")):
+        try:
+            return tool_message(m, where)
+        except StructuredRequestError as e:
+            raise BadRequest(str(e), e.param) from None
     if role not in ROLES:
         raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
     content = m.get("content")
@@ -446,9 +484,16 @@ class ResponseShape:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _choice(
-        self, text: str | None, finish: str | None, chunk: bool, first: bool = False, logprobs=None
+        self,
+        text: str | None,
+        finish: str | None,
+        chunk: bool,
+        first: bool = False,
+        logprobs=None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
-        """`logprobs`: the chat-shaped entries of the tokens this choice carries, or None (not asked)."""
+        """`logprobs`: the chat-shaped entries of the tokens this choice carries, or None (not asked).
+        `tool_calls`: the reply's calls (edge_client.structured), streamed whole in one delta."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if not self.chat:
             choice.update(
@@ -459,14 +504,18 @@ class ResponseShape:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice["delta"] = delta
         else:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         choice["logprobs"] = {"content": logprobs, "refusal": None} if logprobs is not None else None
         return choice
 
-    def chunk(self, text: str | None, first: bool = False, logprobs=None) -> dict:
-        return {**self._base(True), "choices": [self._choice(text, None, True, first, logprobs)]}
+    def chunk(self, text: str | None, first: bool = False, logprobs=None, tool_calls=None) -> dict:
+        return {**self._base(True), "choices": [self._choice(text, None, True, first, logprobs, tool_calls)]}
 
     def text_chunk(self, text: str, logprobs=None) -> dict:
         """A streamed piece of a text completion."""
@@ -484,8 +533,10 @@ class ResponseShape:
     def usage_chunk(self, usage_: dict) -> dict:
         return {**self._base(True), "choices": [], "usage": usage_}
 
-    def complete(self, text: str, finish: str, usage_: dict, extra: dict, logprobs=None) -> dict:
-        choice = self._choice(text, finish, False, logprobs=logprobs)
+    def complete(
+        self, text: str | None, finish: str, usage_: dict, extra: dict, logprobs=None, tool_calls=None
+    ) -> dict:
+        choice = self._choice(text, finish, False, logprobs=logprobs, tool_calls=tool_calls)
         return {**self._base(False), "choices": [choice], "usage": usage_, **extra}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import multiprocessing
 import re
 import secrets
@@ -36,12 +37,18 @@ class Piece:
     content: bool  # a message's content: tokenized as text, special tokens not parsed
 
 
-def output_limit(messages: list[dict[str, str]]) -> int:
-    return MIN_OUTPUT_LIMIT + 2 * sum(len(m["content"]) + len(m["role"]) for m in messages)
+def output_limit(messages: list[dict[str, str]], tools: list | tuple = ()) -> int:
+    calls = sum(len(repr(m.get("tool_calls", ""))) for m in messages) + len(repr(tools))
+    return MIN_OUTPUT_LIMIT + 2 * (sum(len(m["content"]) + len(m["role"]) for m in messages) + calls)
 
 
 def render_pieces(
-    template: str, messages: list[dict[str, str]], bos: str, eos: str, limit: int | None = None
+    template: str,
+    messages: list[dict[str, str]],
+    bos: str,
+    eos: str,
+    limit: int | None = None,
+    tools: list | tuple = (),
 ) -> list[Piece]:
     """Renders in this process (the worker's function; `TemplateRenderer` calls it in the worker).
 
@@ -50,13 +57,14 @@ def render_pieces(
     rendered with the real contents too and the split kept only where the markers' text matches it."""
     import jinja2
 
-    limit = limit if limit is not None else output_limit(messages)
+    limit = limit if limit is not None else output_limit(messages, tools)
     nonce = secrets.token_hex(8)
     marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-    marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+    # An empty content (an assistant turn of tool calls alone) stays empty: templates test it.
+    marked = [{**m, "content": mark if m["content"] else ""} for m, mark in zip(messages, marks, strict=True)]
     try:
-        text = _render(template, marked, bos, eos, limit)
-        real = _render(template, messages, bos, eos, limit)
+        text = _render(template, marked, bos, eos, limit, tools)
+        real = _render(template, messages, bos, eos, limit, tools)
     except TemplateRefused:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
@@ -79,14 +87,16 @@ def render_pieces(
     return [p for p in pieces if p.text]
 
 
-def _render(template: str, messages, bos: str, eos: str, limit: int) -> str:
+def _render(template: str, messages, bos: str, eos: str, limit: int, tools: list | tuple = ()) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     out, size = [], 0
+    # `tools` only when there are some: templates test `tools is defined`, or `tools` for truth.
+    extra = {"tools": list(tools)} if tools else {}
     for chunk in env.from_string(template).generate(
-        messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
+        messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, **extra
     ):
         size += len(chunk)
         if size > limit:
@@ -179,13 +189,17 @@ class TemplateRenderer:
             self._warm = True
         return pool
 
-    async def render(self, template: str, messages: list[dict[str, str]], bos: str, eos: str) -> list[Piece]:
+    async def render(
+        self, template: str, messages: list[dict[str, str]], bos: str, eos: str, tools: list | tuple = ()
+    ) -> list[Piece]:
+        """`tools`: OpenAI's tool objects, for a template that renders them (edge_client/structured.py)."""
         loop = asyncio.get_running_loop()
+        render = functools.partial(render_pieces, template, messages, bos, eos, None, tuple(tools))
         try:
-            future = loop.run_in_executor(await self._executor(), render_pieces, template, messages, bos, eos)
+            future = loop.run_in_executor(await self._executor(), render)
         except concurrent.futures.process.BrokenProcessPool:  # the worker died while idle: a new one
             self._kill()
-            future = loop.run_in_executor(await self._executor(), render_pieces, template, messages, bos, eos)
+            future = loop.run_in_executor(await self._executor(), render)
         try:
             return await within(future, self.time_limit_s)
         except TimeoutError:

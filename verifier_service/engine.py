@@ -392,8 +392,7 @@ class TargetEngine:
                 model = engine = None  # freed before the next dtype's copy loads
                 gc.collect()
                 continue
-            engine.passed_over = tuple(passed_over)
-            engine.tokenizer = tokenizer
+            engine.passed_over, engine.tokenizer = tuple(passed_over), tokenizer
             return engine
         raise NoExactPath(
             f"no dtype is bit-exact on this machine ({'; '.join(passed_over)}): run with --no-bit-exact, "
