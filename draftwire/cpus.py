@@ -99,8 +99,8 @@ class Split:
 
     def describe(self) -> str:
         if self.shared:
-            return f"verifier and draft share CPU {_ranges(self.verifier)}"
-        return f"verifier on CPU {_ranges(self.verifier)}, draft on CPU {_ranges(self.draft)}"
+            return f"verifier and draft share CPU {ranges(self.verifier)}"
+        return f"verifier on CPU {ranges(self.verifier)}, draft on CPU {ranges(self.draft)}"
 
 
 def split(cpus: Sequence[int]) -> Split:
@@ -120,7 +120,7 @@ def pin(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def _ranges(cpus: Sequence[int]) -> str:
+def ranges(cpus: Sequence[int]) -> str:
     """`0-3,6` for (0, 1, 2, 3, 6)."""
     out: list[str] = []
     for c in sorted(cpus):

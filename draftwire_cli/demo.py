@@ -8,24 +8,40 @@ from pathlib import Path
 
 import grpc
 
+from draftwire import cpus
+from draftwire_cli import sharing
 from edge_client.chat import ChatConfig, chat
-from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.llama_runtime import load_backends
 from edge_client.session import EdgeSession
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig, start_server
 
 
+async def share_the_machine(engine: TargetEngine, draft_path: Path):
+    """The drafter on its share of this process's CPUs, the target alone's speed measured on all of
+    them (before they are divided), and the rest given to the verifier (draftwire_cli.sharing).
+    Returns the drafter, the prompt to measure speculation with, and the division."""
+    split = cpus.split(cpus.usable())
+    drafter = sharing.load_drafter(draft_path, split)
+    prompt = await sharing.prompt_ids(engine, drafter)
+    alone, threads = sharing.target_alone(engine, prompt)
+    sharing.divide(split)
+    return drafter, prompt, lambda tps: sharing.Measured(tps, alone, threads, sharing.TOKENS, split)
+
+
 async def run_demo(engine: TargetEngine, draft_path: Path, config: ChatConfig, prompt: str | None) -> int:
     """The terminal chat against a verifier of `engine` (the target of the pair the caller found)."""
+    print(f"draftwire demo: {load_backends().summary}")
+    drafter, measure_prompt, measured = await share_the_machine(engine, draft_path)
     server, port = await start_server(engine, ServerConfig(port=0))
     address = f"127.0.0.1:{port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
-    print(f"draftwire demo: {load_backends().summary}")
     try:
-        drafter = LlamaDrafter(DrafterConfig(draft_path))
         async with grpc.aio.insecure_channel(address) as channel:
-            await chat(EdgeSession(channel, drafter), config, sys.stdout, once=prompt)
+            session = EdgeSession(channel, drafter)
+            speed = await sharing.speculation(session, measure_prompt, config)
+            print(f"draftwire demo: {measured(speed).line()}", flush=True)
+            await chat(session, config, sys.stdout, once=prompt)
     finally:
         await server.stop(grace=1.0)
     return 0
@@ -34,12 +50,15 @@ async def run_demo(engine: TargetEngine, draft_path: Path, config: ChatConfig, p
 async def run_web_demo(engine: TargetEngine, draft_path: Path, port: int) -> int:
     from edge_client.app import EdgeConfig, default_store, serve
 
+    print(f"draftwire demo: {load_backends().summary}")
+    drafter, measure_prompt, measured = await share_the_machine(engine, draft_path)
     server, grpc_port = await start_server(engine, ServerConfig(port=0))
     address = f"127.0.0.1:{grpc_port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
-    print(f"draftwire demo: {load_backends().summary}")
     try:
-        drafter = LlamaDrafter(DrafterConfig(draft_path))
+        async with grpc.aio.insecure_channel(address) as channel:
+            speed = await sharing.speculation(EdgeSession(channel, drafter), measure_prompt, ChatConfig())
+        print(f"draftwire demo: {measured(speed).line()}", flush=True)
 
         def ready(url: str, model: str | None = None) -> None:
             print(f"draftwire demo: open {url} (OpenAI API at {url}v1, model {model})", flush=True)
