@@ -28,7 +28,7 @@ class InvalidSampling(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 is greedy; otherwise logits are divided by it
+    temperature: float = 0.0  # 0 is greedy; otherwise logits are divided by it (at least MIN_DIVISOR)
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest most-likely set whose probability reaches top_p; (0, 1]
     seed: int = 0  # key of the sampling noise, an unsigned 64-bit integer
@@ -38,7 +38,7 @@ class SamplingParams:
         tuple[int, float], ...
     ] = ()  # (token id, added to its logit in [-100, 100]); distinct ids
     repetition_penalty: float = 1.0  # transformers/CTRL: a logit of a token in the prompt or generated
-    # is divided by it when positive, multiplied by it when negative; (0, 10], 1 is off
+    # is divided by it when positive, multiplied by it when negative; [MIN_DIVISOR, 10], 1 is off
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count among generated ones; [-2, 2]
     presence_penalty: float = 0.0  # OpenAI: minus this when the token was generated before; [-2, 2]
     # After top-k and top-p, keep the tokens at least min_p times as likely as the likeliest; [0, 1],
@@ -63,6 +63,10 @@ class SamplingParams:
         """Returns self; raises InvalidSampling naming the first field out of its domain."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidSampling(f"temperature must be finite and >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_DIVISOR:  # logits divided by a subnormal overflow to inf, then NaN
+            raise InvalidSampling(
+                f"temperature must be 0 (greedy) or at least {MIN_DIVISOR:g}, got {self.temperature}"
+            )
         if self.top_k < 0:
             raise InvalidSampling(f"top_k must be >= 0, got {self.top_k}")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
@@ -75,19 +79,26 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
                 raise InvalidSampling(f"{name} must be in [-2, 2], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
-            raise InvalidSampling(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and MIN_DIVISOR <= self.repetition_penalty <= 10.0):
+            raise InvalidSampling(
+                f"repetition_penalty must be in [{MIN_DIVISOR:g}, 10], got {self.repetition_penalty}"
+            )
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidSampling(f"logit_bias has {len(self.logit_bias)} entries: at most {MAX_LOGIT_BIAS}")
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             raise InvalidSampling("logit_bias names a token id twice")
         for token, bias in self.logit_bias:
+            if not 0 <= token < 2**32:  # never cut to 32 bits on the wire
+                raise InvalidSampling(f"logit_bias names token {token}: a token id is in [0, 2**32)")
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 raise InvalidSampling(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
         return self
 
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# The least temperature (but 0, greedy) and repetition penalty: the logits are divided by them, and a
+# subnormal divisor overflows them to inf (NaN probabilities, garbage tokens). Smaller ones are refused.
+MIN_DIVISOR = 1e-4
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 

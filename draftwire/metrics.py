@@ -12,6 +12,7 @@ with its meaning: docs/metrics.md.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -154,14 +155,42 @@ def read_token(path: Path) -> str:
     return token
 
 
+READ_TIMEOUT_S = 10.0  # a scrape's request must arrive within this (slow-loris), else its connection closes
+
+
+def host_allowed(header: str | None, bound_host: str) -> bool:
+    """Whether a scrape's Host header names this server as a DNS-rebinding page cannot: a loopback
+    name, an IP address (a rebound page's Host is its own name), or the host the server was bound to."""
+    if not header:
+        return False
+    name = header.strip().lower()
+    if name.startswith("["):
+        name = name[1 : name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.split(":")[0]
+    if name in ("localhost", "localhost.") or name.endswith(".localhost") or name == bound_host.lower():
+        return bool(name)
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def serve(registry: CollectorRegistry, host: str, port: int, token_file: Path | None = None) -> int:
     """Serves `registry` in Prometheus' text format over HTTP at host:port (any path; 0 picks a free
     port) on a daemon thread; returns the bound port. With `token_file`, a scrape without
     `Authorization: Bearer T` (T the file's token, re-read at each scrape) gets 401, and 503 while the
-    file cannot be read. Raises OSError when it cannot bind."""
+    file cannot be read; without one, a scrape whose Host is not an address or a loopback name gets 403
+    (host_allowed: a DNS-rebinding page cannot read the metrics). A connection that does not send its
+    request within READ_TIMEOUT_S is closed. Raises OSError when it cannot bind."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # on the socket: a slow-loris request is dropped
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if token_file is None and not host_allowed(self.headers.get("Host"), host):
+                return self._reply(403, b"the Host header must be an address or a loopback name\n")
             if token_file is not None:
                 try:
                     token = read_token(token_file)

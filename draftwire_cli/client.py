@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
 import grpc
 
-from draftwire import wire
+from draftwire import jsonout, wire
 from draftwire_cli import configs
 from draftwire_cli.flags import UserError
 from draftwire_cli.serving import load_target
@@ -37,7 +36,7 @@ def _emit(args, token_ids: list[int], text: str, stats: dict, logprobs=()) -> No
             out["logprobs"] = [
                 {"logprob": t.logprob, "top": [list(pair) for pair in t.top]} for t in logprobs
             ]
-        print(json.dumps(out))
+        print(jsonout.dumps(out))
     else:
         print(text)
 

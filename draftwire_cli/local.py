@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 
+from draftwire import jsonout
 from draftwire_cli import configs
 from draftwire_cli.flags import UserError
 from draftwire_cli.serving import load_target
@@ -67,7 +67,7 @@ def _models_check(args) -> int:
         )
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot read the pair: {configs.reason(e)}", 1) from None
-    print(json.dumps(as_json(report), indent=2) if args.json else "\n".join(report.lines()))
+    print(jsonout.dumps(as_json(report), indent=2) if args.json else "\n".join(report.lines()))
     return 0 if report.accepted else 1
 
 

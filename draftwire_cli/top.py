@@ -4,11 +4,10 @@ in the terminal (rates over the last interval). `--once` prints one JSON snapsho
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 
-from draftwire import wire
+from draftwire import jsonout, wire
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 
@@ -76,7 +75,7 @@ def run(
 ) -> int:
     before, then = None, time.monotonic()
     if once:
-        print(json.dumps(figures(snapshot(address, credentials), None, 0.0)))
+        print(jsonout.dumps(figures(snapshot(address, credentials), None, 0.0)))
         return 0
     while True:
         now, at = snapshot(address, credentials), time.monotonic()

@@ -26,10 +26,11 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from draftwire import wire
+from draftwire import jsonout, wire
 from draftwire.aio import within
 from draftwire.contract import Constraint, Drafting
 from edge_client import guard as guards
+from edge_client import httpkit
 from edge_client.chat import special_piece
 from edge_client.contexts import Contexts
 from edge_client.openai_api import (
@@ -49,7 +50,7 @@ from edge_client.openai_api import (
     usage,
 )
 from edge_client.planner import GenerationStats
-from edge_client.session import EdgeSession, GenerationRequest, Timeouts, VerifierError
+from edge_client.session import EdgeSession, GenerationRequest, Timeouts, VerifierError, logit_bias_refusal
 from edge_client.store import NotFound, Store
 from edge_client.structured import Tools, held_back, split_tool_calls, template_messages
 from edge_client.template import TemplateRefused, TemplateRenderer
@@ -152,6 +153,7 @@ class Reply:
         content, calls = self.tool_calls()
         return web.json_response(
             self.shape.complete(content, o.finish_reason, o.usage(), self._end(), self.unsent(), calls),
+            dumps=jsonout.dumps,
         )
 
     async def stream(self, request: web.Request, run, first: str | None, include_usage: bool):
@@ -312,6 +314,9 @@ class EdgeApp:
     def _budget(self, req: CompletionRequest, prompt: list[int], info, param: str) -> CompletionRequest:
         """Checks prompt + max_tokens against the context before anything is drafted: a prompt that does
         not fit is refused (400); a reply without a max_tokens of its own gets what the context leaves."""
+        vocab = min(info.target.vocabulary.size, self._vocab_size() or info.target.vocabulary.size)
+        if (refusal := logit_bias_refusal(req.settings, vocab)) is not None:
+            raise BadRequest(refusal, "logit_bias")
         limit = self._context(info)
         if len(prompt) >= limit:
             raise BadRequest(
@@ -727,7 +732,7 @@ class _TextStream:
 
 async def _send(response: web.StreamResponse, payload: dict | None) -> None:
     if payload is not None:
-        await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        await response.write(b"data: " + jsonout.dumps(payload).encode() + b"\n\n")
 
 
 HEALTH_TTL_S = 1.0
@@ -746,7 +751,12 @@ def _max_tokens_set(body: dict) -> bool:
 
 
 async def _json(request: web.Request) -> dict:
-    raw = await request.read()  # at most client_max_size (413 past it)
+    try:  # at most client_max_size (413 past it), within the read timeout (a slow-loris body: 408)
+        async with asyncio.timeout(httpkit.READ_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError:
+        message = f"the request body did not arrive within {httpkit.READ_TIMEOUT_S:g} s"
+        raise ApiError(408, message, code="request_timeout") from None
     try:
         body = json.loads(raw, parse_constant=_not_json)
         # A \ud800 escape parses to a lone surrogate, which no text can hold (SQLite, the tokenizer).
@@ -843,7 +853,7 @@ async def serve(config: EdgeConfig, drafter, host: str, port: int, draft_name: s
     config = replace(config, guard=replace(config.guard, bound_host=host))
     check_free(host, port)  # one process per port (no SO_REUSEPORT here either)
     edge = EdgeApp(config, drafter, draft_name)
-    runner = web.AppRunner(edge.web_app(), handle_signals=False)
+    runner = httpkit.Runner(edge.web_app(), handle_signals=False)  # OpenAI-shaped errors, read timeouts
     await runner.setup()
     try:
         info = await edge.connect()  # a verifier whose ModelInfo does not hold up is refused here

@@ -258,6 +258,11 @@ class EdgeSession:
             pass
         return generated, stats
 
+    def vocab_size(self) -> int:
+        """The ids both the target (its model info, asked first) and the draft know."""
+        size = self._info.target.vocabulary.size
+        return min(size, self.vocabulary.size) if self.vocabulary is not None else size
+
     def _budget(self, request: GenerationRequest) -> int:
         """The tokens the request may generate on this verifier."""
         max_context = self._info.target.max_context
@@ -274,6 +279,8 @@ class EdgeSession:
         """One Session stream, from open to finish, or to a hand-off (speculation off: the leg it
         appends to `legs`): the edge's round loop."""
         plan = Planner(request, await self.model_info(), generated, stats, self.tuner, self.hand_off)
+        if (refusal := logit_bias_refusal(request.sampling, self.vocab_size())) is not None:
+            raise VerifierError(grpc.StatusCode.INVALID_ARGUMENT, refusal)  # the drafter indexes with them
         call = self.stub.Session()
         inbox = _Inbox(call, stats, self.tuner)
         try:
@@ -481,6 +488,15 @@ _CORE_INTERNAL = "Internal error from Core"
 # And when the connection's bytes go bad (TLS fails a record's check: TSI_DATA_CORRUPTED) or it is torn
 # down under a stream; the verifier never answers UNKNOWN itself.
 _STREAM_REMOVED = "Stream removed"
+
+
+def logit_bias_refusal(sampling, vocab_size: int) -> str | None:
+    """What is wrong with the logit_bias of `sampling` (SamplingParams) on a vocabulary of `vocab_size`
+    ids, or None: an id outside it would index past the logits."""
+    bad = [token for token, _ in sampling.logit_bias if not 0 <= token < vocab_size]
+    if bad:
+        return f"logit_bias names token {bad[0]}, outside the vocabulary of {vocab_size} ids"
+    return None
 
 
 def _stream_broke(error: VerifierError) -> VerifierError:

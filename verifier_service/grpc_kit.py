@@ -58,6 +58,9 @@ class ServerConfig:
     admission: AdmissionConfig = AdmissionConfig()  # caps, rates, KV budget (verifier_service/admission.py)
     lifetime: LifetimeConfig = LifetimeConfig()  # idle timeout, maximum age, drain (lifecycle.py)
     gamma_cap: CapConfig = CapConfig()  # the γ cap the verdicts advertise under load (gamma_cap.py)
+    # A connection must finish its handshake (TLS, and the HTTP/2 preface and settings) within this, or it
+    # is closed: half-open connections (slow-loris) hold nothing for long.
+    handshake_timeout_s: float = 10.0
 
     @property
     def message_limit(self) -> int:
@@ -130,8 +133,9 @@ def make_server(config: ServerConfig, guards: list | None = None) -> grpc.aio.Se
     options = wire.message_size_options(config.message_limit, wire.MAX_MESSAGE_BYTES)
     if guards is None:
         guards = auth.interceptors(config.auth, config.tls)
+    handshake = [("grpc.server_handshake_timeout_ms", max(1, round(config.handshake_timeout_s * 1000)))]
     return grpc.aio.server(
-        options=[*options, *KEEPALIVE_OPTIONS, *ports.SERVER_OPTIONS],
+        options=[*options, *KEEPALIVE_OPTIONS, *handshake, *ports.SERVER_OPTIONS],
         interceptors=[*guards, MalformedRequests()],
     )
 

@@ -109,3 +109,50 @@ def test_every_metric_is_in_the_table_of_docs_metrics():
     doc = (ROOT / "docs" / "metrics.md").read_text()
     listed = set(re.findall(r"^\| `(draftwire:[a-z_]+)`", doc, re.M))
     assert exported == listed, (exported - listed, listed - exported)
+
+
+def raw_get(port: int, host: str | None) -> int:
+    """The status of GET /metrics with this Host header (None: none sent, HTTP/1.0)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        head = "GET /metrics HTTP/1.0\r\n" + (f"Host: {host}\r\n" if host is not None else "") + "\r\n"
+        s.sendall(head.encode())
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    return int(reply.split()[1])
+
+
+def test_metrics_without_a_token_answer_only_a_host_that_cannot_be_rebound():
+    """A DNS-rebinding page's requests carry its own name as Host: refused (403) as the edge app does;
+    an address, a loopback name and no token file needed for those."""
+    port = start_metrics(lambda: pb.ServerStats(), "127.0.0.1", 0)
+    for host in (f"127.0.0.1:{port}", "localhost", f"[::1]:{port}", "10.1.2.3"):
+        assert raw_get(port, host) == 200, host
+    for host in (f"attacker.example:{port}", "rebind.attacker.example", "", None):
+        assert raw_get(port, host) == 403, host
+
+
+def test_a_metrics_token_lets_any_host_scrape(tmp_path):
+    token = tmp_path / "metrics.token"
+    token.write_text("s3cret\n")
+    port = start_metrics(lambda: pb.ServerStats(), "127.0.0.1", 0, token)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Host": "prom.internal"})
+    request.add_header("Authorization", "Bearer s3cret")
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.status == 200
+
+
+@pytest.mark.parametrize("partial", [b"", b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
+def test_a_slow_loris_scrape_is_dropped_after_the_read_timeout(monkeypatch, partial):
+    import socket
+    import time
+
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 0.5)
+    port = start_metrics(lambda: pb.ServerStats(), "127.0.0.1", 0)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(partial)
+        start = time.monotonic()
+        assert s.recv(1) == b""  # the server closed it, without an answer
+        assert time.monotonic() - start < 25  # not held open as before (generous: a busy machine)

@@ -216,6 +216,30 @@ def test_stop_strings_cut_as_openai_does(client):
             "logit_bias",
             "[-100, 100]",
         ),
+        # Ids out of range (issue 55): past the vocabulary (a 500 from the drafter's indexing before), past
+        # uint32 (a 500 from the wire, or cut to its low 32 bits: 4294968073 acted as 777).
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"100000": 1}},
+            "logit_bias",
+            "vocabulary",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"4294967301": 1}},
+            "logit_bias",
+            "2**32",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"4294968073": 100}},
+            "logit_bias",
+            "2**32",
+        ),
+        # Divisors so small that the logits overflow (NaN logprobs, garbage tokens before).
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5e-324}, "temperature", "at least"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 5e-324},
+            "repetition_penalty",
+            "[0.0001, 10]",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs", "logprobs"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
