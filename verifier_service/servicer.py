@@ -265,14 +265,16 @@ async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[Veri
         )
     guards = auth.interceptors(config.auth, config.tls)
     server = make_server(config, guards)
-    servicer = VerifierServicer(engine, config)
-    servicer.tokens = next((g.tokens for g in guards if g.tokens is not None), None)
-    add_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server)
-    port = await bind_and_start(server, config.host, config.port, config.tls)
-    started = VerifierServer(server, servicer, health_servicer)
-    if config.metrics_port is not None:
-        try:
+    serving = None
+    try:
+        servicer = VerifierServicer(engine, config)
+        servicer.tokens = next((g.tokens for g in guards if g.tokens is not None), None)
+        add_to_server(servicer, server)
+        health_servicer = add_health_and_reflection(server)
+        serving = asyncio.ensure_future(bind_and_start(server, config.host, config.port, config.tls))
+        port = await asyncio.shield(serving)  # a start cut short finishes before the stop below
+        started = VerifierServer(server, servicer, health_servicer)
+        if config.metrics_port is not None:
             started.metrics_port = start_metrics(  # the bound one (metrics_port 0 picks a free port)
                 servicer.stats_proto,
                 config.metrics_host,
@@ -280,10 +282,16 @@ async def start_server(engine: ServedEngine, config: ServerConfig) -> tuple[Veri
                 config.metrics_token_file,
                 extra=servicer.auth_families,
             )
-        except BaseException:
+        await set_health(health_servicer, True)
+        if servicer.tokens is not None:
+            started.watch = asyncio.get_running_loop().create_task(servicer.watch_tokens(health_servicer))
+        return started, port
+    except BaseException:
+        # A start cut short (Ctrl-C, a failure): the server stops in this loop, not at its garbage
+        # collection on a closed one (`Exception ignored ... Event loop is closed`).
+        if serving is not None:
+            with contextlib.suppress(BaseException):  # its own failure is the one being raised
+                await serving
+        with contextlib.suppress(Exception):
             await server.stop(None)
-            raise
-    await set_health(health_servicer, True)
-    if servicer.tokens is not None:
-        started.watch = asyncio.get_running_loop().create_task(servicer.watch_tokens(health_servicer))
-    return started, port
+        raise
