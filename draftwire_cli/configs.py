@@ -15,6 +15,12 @@ from draftwire.contract import SamplingParams
 from draftwire_cli.flags import UserError
 
 
+def calibration_dir() -> str:
+    """Where a verifier keeps its timings of round sizes between starts: the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "draftwire", "calibration")
+
+
 def reason(error: BaseException) -> str:
     """An exception's message on one line (an OSError's without its errno)."""
     text = (error.strerror if isinstance(error, OSError) and error.strerror else str(error)) or type(

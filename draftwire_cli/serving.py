@@ -46,6 +46,7 @@ def serve(args) -> int:
             min_prefill_positions=args.min_prefill_positions,
             max_prefill_s=args.max_prefill_s,
             calibrate=not args.no_calibrate,
+            calibration_dir=configs.calibration_dir(),
         ),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -107,6 +108,18 @@ def load_target(args):
     return engine
 
 
+def say_calibration(engine, config) -> None:
+    """Says on the terminal that the start times the round sizes, where it will (seconds to minutes on a
+    busy machine; once, since the figures are kept)."""
+    from verifier_service.batcher import calibration_file
+
+    positions = config.limits.max_gamma + 1
+    path = calibration_file(config.batch.calibration_dir, engine, positions)
+    if config.batch.calibrate and not (path and path.exists()):
+        where = f", kept for the next start in {path.parent}" if path else ""
+        print(f"draftwire: timing the target's forwards of 1 to {positions} positions{where}", flush=True)
+
+
 def numerics_line(engine) -> str:
     """The startup line that says which exact path runs (and why auto passed over a faster one)."""
     n = engine.numerics
@@ -126,6 +139,7 @@ def numerics_line(engine) -> str:
 async def _serve_until_signal(engine, config) -> None:
     from verifier_service.servicer import start_server, wait_for_stop_signal
 
+    say_calibration(engine, config)
     server, port = await start_server(engine, config)
     print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
     if server.metrics_port is not None:  # the bound port: --metrics-port 0 picks one

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Callable, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -89,6 +92,10 @@ class BatchConfig:
     # A verifier times a forward of every size a round can have as it starts (Batcher.calibrate), so that
     # its first sessions' edges learn its costs from the open (SessionOpened.forward_seconds).
     calibrate: bool = True
+    # Where those timings are kept between starts, by target, numerics, torch threads and CPU (a
+    # directory; "": timed at every start). A later start, on a busy machine too, reads them instead,
+    # and the rounds it serves correct them as they go.
+    calibration_dir: str = ""
 
 
 @dataclass
@@ -359,13 +366,22 @@ class Batcher:
         else:
             self._credit = 0.0
 
-    def calibrate(self, positions: int, prompt: int = 16) -> None:
+    def calibrate(self, positions: int, prompt: int = 16) -> bool:
         """Times a round's forward of every size from 1 to `positions` after a short prompt, on a session
         of its own, into `stats.round_costs`: twice, keeping the second pass (the first warms the
         kernels up for each shape). Call it before serving and before the engine keeps finished
-        caches. Costs a prompt's prefill and 2 · positions forwards."""
+        caches. Costs a prompt's prefill and 2 · positions forwards, unless the config's
+        calibration_dir holds this machine's figures already (`calibration_file`), which it then
+        reads; a timing is written there. Returns whether it timed."""
+        path = calibration_file(self.config.calibration_dir, self.engine, positions)
+        kept = _read_figures(path, positions) if path else None
+        if kept:
+            for n, seconds in kept.items():
+                self.stats.round_costs.observe(n, seconds)
+            return False
         key, size = CALIBRATION_KEY, self.info.vocabulary.size
         ids = tuple(i % size for i in range(prompt + positions))
+        figures = {}
         try:
             self.engine.forward_many([Forward(key, 0, ids[:prompt], wants_logits=False)])
             for timed in (False, True):
@@ -373,9 +389,17 @@ class Batcher:
                     start = time.perf_counter()
                     self.engine.forward_many([Forward(key, prompt, ids[prompt : prompt + n])])
                     if timed:
-                        self.stats.round_costs.observe(n, time.perf_counter() - start)
+                        figures[n] = time.perf_counter() - start
+                        self.stats.round_costs.observe(n, figures[n])
         finally:
             self.engine.release(key)
+        if path:
+            with contextlib.suppress(OSError):  # a read-only cache costs the next start a timing
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temporary = path.with_suffix(".tmp")
+                temporary.write_text(json.dumps({str(n): s for n, s in figures.items()}))
+                temporary.replace(path)
+        return True
 
     def _run_batch(self, forwards: list[Forward], releases: list[str]) -> list[torch.Tensor | None]:
         results = []
@@ -389,6 +413,47 @@ class Batcher:
             self.engine.release(key)
             self.stats.last.pop(key, None)
         return results
+
+
+def calibration_file(directory: str, engine: Engine, positions: int) -> Path | None:
+    """Where `calibrate` keeps the figures of this engine on this machine: named by what sets a
+    forward's time (the target, its numerics and padding, torch's threads, the CPU's model, the sizes);
+    None without a directory."""
+    if not directory:
+        return None
+    key = "|".join(
+        str(part)
+        for part in (
+            engine.info.target_id,
+            engine.numerics.identity,
+            getattr(engine, "padding", None),
+            torch.get_num_threads(),
+            cpu_model(),
+            positions,
+        )
+    )
+    return Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it ("" elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _read_figures(path: Path, positions: int) -> dict[int, float] | None:
+    """Kept figures of every size 1..positions, or None (none kept, or unreadable)."""
+    try:
+        figures = {int(n): float(s) for n, s in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    complete = set(figures) == set(range(1, positions + 1))
+    return figures if complete and all(0 < s < 3600 for s in figures.values()) else None
 
 
 def _prefill_last(forward: Forward) -> tuple[bool, int]:

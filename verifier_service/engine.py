@@ -30,7 +30,13 @@ from draftwire.vocab import vocabulary_from_hf
 from verifier_service import families
 from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
-from verifier_service.invariant import NotInvariant, block_attention, make_invariant, softcapped_attention
+from verifier_service.invariant import (
+    KEY_BLOCK,
+    NotInvariant,
+    block_attention,
+    make_invariant,
+    softcapped_attention,
+)
 from verifier_service.numerics import Hardware, NoExactPath
 
 NoInvariantKernels = NoExactPath  # the name callers knew
@@ -85,13 +91,16 @@ class GrowingLayer:
 
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         target = max(2 * self.capacity, 64)
+        if target > 64:  # whole key blocks: invariant attention reads to the next block's end in place
+            target = -(-target // KEY_BLOCK) * KEY_BLOCK
         if self.limit is not None:
             target = min(target, self.limit)
         self._resize(like, max(needed, target))
 
     def _resize(self, like: torch.Tensor, capacity: int) -> None:
         shape = (*like.shape[:-2], capacity, like.shape[-1])
-        keys, values = like.new_empty(shape), like.new_empty(shape)
+        # Zeroed: invariant attention reads the room past the held positions (finite values only).
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
         if self._keys is not None:
             keys[..., : self.length, :] = self._keys[..., : self.length, :]
             values[..., : self.length, :] = self._values[..., : self.length, :]
@@ -164,7 +173,7 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     outputs = []
     for rows, keys, values in zip(query.split(key.widths, dim=2), key.states, value.states, strict=True):
         if key.exact:
-            outputs.append(block_attention(rows, keys, values, scaling, window, softcap))
+            outputs.append(block_attention(rows, keys, values, scaling, window, softcap, key.masks))
             continue
         shape = (rows.shape[2], keys.shape[-2], window)
         if shape not in key.masks:

@@ -65,6 +65,14 @@ ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
     torch.bfloat16: (1, 4, 128),
 }
 PADDINGS = (2, 4)
+# The most rows of one onednn call, tried largest first at load: the largest the check proves invariant
+# on the model's shapes here is kept (a prefill then runs in few calls; oneDNN's bfloat16 kernels on a
+# Xeon with AMX took 2.2x as long in calls of 128 rows as in one of 2,000). float32 measured invariant
+# to 2,048 rows on a Xeon with AMX, bfloat16 to 512 (1,024 changed a row of 1536 -> 8960).
+MAX_ROWS_TRIED: dict[torch.dtype, tuple[int, ...]] = {
+    torch.float32: (1024, 512, 256),
+    torch.bfloat16: (1024, 512, 256, 128),
+}
 # portable: the rows of every call, per device type. A decode pads its one row to this many, which a
 # GPU does not feel; on CPU, where a row costs compute, fewer.
 PORTABLE_ROWS = {"cpu": 16}
@@ -134,17 +142,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    min_rows: int | None = None,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias on a `pack_weight`ed weight; each row's result is the same whatever the other
-    rows and their number. A call of fewer than `min_rows` rows (default: the dtype's ROW_POLICY) runs
-    padded to that many.  # x [..., in] -> [..., out]"""
-    _, default_rows, max_rows = ROW_POLICY[x.dtype]
+    rows and their number. Calls of at most `max_rows` rows; one of fewer than `min_rows` runs padded to
+    that many (defaults: the dtype's ROW_POLICY).  # x [..., in] -> [..., out]"""
+    _, default_min, default_max = ROW_POLICY[x.dtype]
 
     def call(chunk: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(chunk, packed, bias, "none", [], "")
 
-    return in_row_chunks(x, call, min_rows or default_rows, max_rows)
+    return in_row_chunks(x, call, min_rows or default_min, max_rows or default_max)
 
 
 class _InvariantMixin:
@@ -153,7 +165,7 @@ class _InvariantMixin:
 
     packed: torch.Tensor | None = None
     min_rows: int | None = None  # set by make_invariant; None: ROW_POLICY's (onednn)
-    max_rows: int | None = None  # portable only
+    max_rows: int | None = None  # likewise
 
     def _weight_out_in(self) -> torch.Tensor:
         raise NotImplementedError
@@ -163,7 +175,7 @@ class _InvariantMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias, self.min_rows)
+            return packed_linear(x, self.packed, self.bias, self.min_rows, self.max_rows)
         weight = self._weight_out_in()
         return in_row_chunks(x, lambda c: F.linear(c, weight, self.bias), self.min_rows, self.max_rows)
 
@@ -232,10 +244,29 @@ def make_invariant(
         set_padding(model, padding)
     if check:
         for dtype in {m.weight.dtype for m in linears}:
-            shapes = {_shape(m) for m in linears if m.weight.dtype == dtype}
-            check_linear(dtype, shapes, min_rows=padding, kernels=backend, device=weight.device)
+            layers = [m for m in linears if m.weight.dtype == dtype]
+            shapes = {_shape(m) for m in layers}
+            if backend == "portable":
+                check_linear(dtype, shapes, min_rows=padding, kernels=backend, device=weight.device)
+                continue
+            most = largest_invariant_rows(dtype, shapes, padding)
+            for module in layers:
+                module.max_rows = most
         check_attention(weight.dtype, weight.device)
     return padding
+
+
+def largest_invariant_rows(dtype: torch.dtype, shapes: set[tuple[int, int]], min_rows: int) -> int:
+    """The largest of MAX_ROWS_TRIED whose onednn calls `check_linear` proves row-invariant on `shapes`
+    here. Raises NotInvariant, the smallest's reason, when none is."""
+    for most in MAX_ROWS_TRIED[dtype]:
+        try:
+            check_linear(dtype, shapes, min_rows=min_rows, max_rows=most)
+        except NotInvariant as e:
+            failure = e
+            continue
+        return most
+    raise failure
 
 
 def _release_weight(module: nn.Module) -> None:
@@ -276,12 +307,12 @@ def choose_padding(seconds: Mapping[int, float]) -> int:
 
 
 def _linear_of(
-    weight: torch.Tensor, kernels: str, min_rows: int | None
+    weight: torch.Tensor, kernels: str, min_rows: int | None, max_rows: int | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T on the backend, as a model's layer in invariant mode computes it."""
     if kernels == "onednn":
         packed = pack_weight(weight)
-        return lambda x: packed_linear(x, packed, None, min_rows)
+        return lambda x: packed_linear(x, packed, None, min_rows, max_rows)
     low, high = portable_rows(weight.dtype, weight.device)
     return lambda x: in_row_chunks(x, lambda c: F.linear(c, weight), min_rows or low, high)
 
@@ -293,20 +324,25 @@ def check_linear(
     min_rows: int | None = None,
     kernels: str = "onednn",
     device: torch.device | str = "cpu",
+    max_rows: int | None = None,
 ) -> None:
-    """Raises NotInvariant unless the backend's linear layer gives rows bitwise the same result alone
-    as among others, on random data, for each (in_features, out_features): every row count up to 65 and
-    some up to two calls on small shapes, a few up to one call on large ones (an lm_head). About a
-    second on CPU."""
-    most = ROW_POLICY[dtype][2] if kernels == "onednn" else portable_rows(dtype, device)[1]
-    few = sorted({1, 2, 3, 5, 9, 17, 33, 65, most})
-    every = sorted(set(range(1, 66)) | {100, most - 1, most, most + 1, 2 * most + 1} - {0})
+    """Raises NotInvariant unless the backend's linear layer, in calls of at most `max_rows` rows
+    (default: ROW_POLICY's), gives rows bitwise the same result alone as among others, on random data,
+    for each (in_features, out_features): every row count up to 65 and some up to two calls on small
+    shapes, a few up to one call on large ones (an lm_head). About a second on CPU."""
+    if kernels == "onednn":
+        most = max_rows or ROW_POLICY[dtype][2]
+    else:
+        most = portable_rows(dtype, device)[1]
+    between = {c for c in (100, 129, 257, 513, 1000) if c < most}
+    few = sorted({1, 2, 3, 5, 9, 17, 33, 65, most} | {c for c in between if c > 200})
+    every = sorted(set(range(1, 66)) | between | {most - 1, most, most + 1, 2 * most + 1} - {0})
     generator = torch.Generator().manual_seed(seed)
     for fan_in, fan_out in sorted(shapes):
         counts = every if fan_in * fan_out <= 4 << 20 else few
         weight = (torch.randn(fan_out, fan_in, generator=generator) / fan_in**0.5).to(device, dtype)
         x = torch.randn(max(counts), fan_in, generator=generator).to(device, dtype)
-        linear = _linear_of(weight, kernels, min_rows)
+        linear = _linear_of(weight, kernels, min_rows, most)
         # Row i alone, for the first and last row of each count (all rows would cost seconds on an lm_head).
         alone = {i: linear(x[i : i + 1]) for i in {0} | {n - 1 for n in counts}}
         for n in counts:
@@ -325,15 +361,21 @@ def block_attention(
     scaling: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    masks: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of one session's new positions over its cache, whose result for each query is
     the same bits whatever else the call holds: how many queries, how many keys past the query's own.
     Computed in float32 whatever the dtype.
 
     query [1, heads, n, head_dim]: the last n of the `held` positions of keys and values
-    keys, values [1, kv_heads, held, head_dim]; fewer kv_heads than heads is grouped-query attention
+    keys, values [1, kv_heads, held, head_dim]; fewer kv_heads than heads is grouped-query attention.
+      Where they are views of a float32 buffer with room past `held` (the engine's caches), that room
+      is read up to the next key block instead of padding a copy: its values must be finite (they are
+      weighted by exact zeros), as GrowingLayer's zeroed, then stale, positions are.
     window: a sliding window's width, or None
     softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), or None
+    masks: a dict that keeps the masks built here for the next call of the same shape (the other
+      layers of a forward), or None
     returns [1, n, heads, head_dim] in the query's dtype
     """
     _, heads, n, dim = query.shape
@@ -341,46 +383,100 @@ def block_attention(
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     first = held - n  # the position of the first query
+    base = 0 if window is None else max(0, first + 1 - window) // KEY_BLOCK * KEY_BLOCK
+    end = -(-held // KEY_BLOCK) * KEY_BLOCK
+    k, v = _blocks(keys[0], base, end), _blocks(values[0], base, end)  # [kv_heads, end - base, dim]
     q = query[0].float().reshape(kv_heads, group, n, dim) * scale
     out = query.new_empty(kv_heads, group, n, dim)
+    masks = {} if masks is None else masks
     for a in range(0, n, QUERY_CHUNK):
         b = min(n, a + QUERY_CHUNK)
         m = b - a
         # Whole key blocks from the first any query of the chunk sees to the last query's own.
         lo = 0 if window is None else max(0, first + a + 1 - window) // KEY_BLOCK * KEY_BLOCK
         hi = -(-(first + b) // KEY_BLOCK) * KEY_BLOCK
-        k = _blocks(keys[0], lo, hi)  # [kv_heads, hi - lo, dim] float32, zeros past `held`
-        v = _blocks(values[0], lo, hi)
         rows = q[:, :, a:b].reshape(kv_heads, group * m, dim)
         if group * m < MIN_QUERY_ROWS:
             rows = torch.cat([rows, rows.new_zeros(kv_heads, MIN_QUERY_ROWS - group * m, dim)], 1)
-        scores = torch.matmul(rows, k.transpose(1, 2))  # [kv_heads, rows, hi - lo]
+        chunk_k, chunk_v = k[:, lo - base : hi - base], v[:, lo - base : hi - base]
+        scores = torch.matmul(rows, chunk_k.transpose(1, 2))  # [kv_heads, rows, hi - lo]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        pos = torch.arange(first + a, first + b, device=query.device)[:, None]  # [m, 1]
-        key_pos = torch.arange(lo, hi, device=query.device)[None, :]
-        hidden = key_pos > pos
-        if window is not None:
-            hidden |= key_pos <= pos - window
         real = scores[:, : group * m].view(kv_heads, group, m, hi - lo)
-        real.masked_fill_(hidden, float("-inf"))
+        for columns, hidden in _hidden(masks, first + a, m, lo, hi, window, query.device):
+            real[..., columns].masked_fill_(hidden, float("-inf"))
         weights = torch.softmax(scores, dim=-1)
-        total = torch.matmul(weights[..., :KEY_BLOCK], v[:, :KEY_BLOCK])
-        for start in range(KEY_BLOCK, hi - lo, KEY_BLOCK):
-            end = start + KEY_BLOCK
-            total += torch.matmul(weights[..., start:end], v[:, start:end])
-        out[:, :, a:b] = total[:, : group * m].view(kv_heads, group, m, dim)
+        out[:, :, a:b] = _weighted_values(weights, chunk_v)[:, : group * m].view(kv_heads, group, m, dim)
     return out.reshape(heads, n, dim).transpose(0, 1)[None]
 
 
+def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of the values, one key block at a time in position order: a matrix product per
+    block (the reduction over keys never longer than KEY_BLOCK), each kv head's blocks in one batched
+    call, summed from the first block to the last.
+    # weights [kv_heads, rows, keys], values [kv_heads, keys, dim] -> [kv_heads, rows, dim]"""
+    kv_heads, rows, keys = weights.shape
+    blocks = keys // KEY_BLOCK
+    out = []
+    for h in range(kv_heads):
+        per_block = torch.bmm(
+            weights[h].view(rows, blocks, KEY_BLOCK).transpose(0, 1),  # [blocks, rows, KEY_BLOCK]
+            values[h].reshape(blocks, KEY_BLOCK, -1),
+        )
+        total = per_block[0].clone()
+        for block in per_block[1:]:
+            total += block
+        out.append(total)
+    return torch.stack(out)
+
+
+def _hidden(
+    masks: dict, first: int, m: int, lo: int, hi: int, window: int | None, device: torch.device
+) -> list[tuple[slice, torch.Tensor]]:
+    """Which keys lo..hi each of m queries from position `first` on does not see, as (columns, mask
+    [m, columns]) for the columns where any is hidden: past the first query (causal) and, with a
+    window, before the last one's window."""
+    shape = (first, m, lo, hi, window)
+    if shape not in masks:
+        pos = torch.arange(first, first + m, device=device)[:, None]
+        parts = []
+        start = first + 1 - lo  # keys after the first query's own
+        if start < hi - lo:
+            key_pos = torch.arange(first + 1, hi, device=device)[None, :]
+            parts.append((slice(start, None), key_pos > pos))
+        if window is not None:
+            stop = max(0, min(first + m - window, hi) - lo)  # keys up to the last query's window
+            if stop > 0:
+                key_pos = torch.arange(lo, lo + stop, device=device)[None, :]
+                parts.append((slice(0, stop), key_pos <= pos - window))
+        masks[shape] = parts
+    return masks[shape]
+
+
 def _blocks(states: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Positions lo..hi of one layer's keys or values in float32, zero past the held ones.
-    # states [kv_heads, held, dim] -> [kv_heads, hi - lo, dim]"""
-    held = states.shape[1]
-    part = states[:, lo : min(hi, held)].float()
-    if hi > held:
-        part = F.pad(part, (0, 0, 0, hi - held))
+    """Positions lo..hi of one layer's keys or values in float32, zeros (or a float32 buffer's finite
+    room) past the held ones.  # states [kv_heads, held, dim] -> [kv_heads, hi - lo, dim]"""
+    kv_heads, held, dim = states.shape
+    if hi <= held:
+        return states[:, lo:hi].float()
+    if states.dtype == torch.float32 and _room(states) >= hi:
+        return states.as_strided((kv_heads, hi, dim), states.stride(), states.storage_offset())[:, lo:]
+    part = states.new_zeros(kv_heads, hi - lo, dim, dtype=torch.float32)
+    part[:, : held - lo] = states[:, lo:]
     return part
+
+
+def _room(states: torch.Tensor) -> int:
+    """Positions a [kv_heads, held, dim] view of a [kv_heads, capacity, dim] buffer may read (0 where it
+    is no such view)."""
+    kv_heads, _, dim = states.shape
+    if states.stride(2) != 1 or states.stride(1) != dim or states.stride(0) % dim:
+        return 0
+    capacity = states.stride(0) // dim
+    last = states.storage_offset() + (kv_heads - 1) * states.stride(0) + capacity * dim
+    if last * states.element_size() > states.untyped_storage().nbytes():
+        return 0
+    return capacity
 
 
 def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> None:

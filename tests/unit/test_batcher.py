@@ -1,6 +1,8 @@
 """The batcher in process, over a fake engine: what runs together, what waits, and in which order."""
 
 import asyncio
+import dataclasses
+import json
 import time
 
 from tools.testkit.fakes import FakeEngine
@@ -178,3 +180,32 @@ def test_a_sessions_forwards_keep_their_order_whatever_their_kind():
         [(100, 50)],
         [(150, 1)],
     ]
+
+
+def test_calibration_is_kept_for_the_next_start_of_the_same_engine_here(tmp_path):
+    """A start times the round sizes once and keeps them by target, numerics, threads and CPU: the next
+    start of the same engine reads them and runs no forward (a busy machine's start-up times nothing);
+    another numerics identity, or kept figures that lack a size, time again."""
+    config = BatchConfig(calibration_dir=str(tmp_path))
+
+    def start(engine: FakeEngine) -> tuple[bool, dict[int, float]]:
+        batcher = Batcher(engine, config)
+        try:
+            return batcher.calibrate(5), dict(batcher.stats.round_costs.means)
+        finally:
+            batcher.close()
+
+    first = FakeEngine()
+    timed, figures = start(first)
+    assert timed and sorted(figures) == [1, 2, 3, 4, 5] and first.batches
+    second = FakeEngine()
+    timed, kept = start(second)
+    assert not timed and kept == figures and not second.batches
+    other = FakeEngine()
+    other.numerics = dataclasses.replace(other.numerics, dtype="bfloat16")
+    assert start(other)[0]
+    (path,) = [
+        p for p in tmp_path.iterdir() if json.loads(p.read_text()) == {str(n): s for n, s in figures.items()}
+    ]
+    path.write_text(json.dumps({"1": 0.1}))
+    assert start(FakeEngine())[0]

@@ -312,3 +312,30 @@ def test_tiny_llama_plain_float32_is_not_invariant():
     one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, 5)
     if torch.equal(one, rounds):
         pytest.skip("torch's float32 kernels happen to agree on this CPU: the control shows nothing")
+
+
+def test_the_load_keeps_the_largest_call_proven_invariant(monkeypatch):
+    """make_invariant keeps the largest of MAX_ROWS_TRIED that check_linear proves here; where the
+    largest fails (injected), the next; where none does, NotInvariant."""
+    assert (
+        invariant.largest_invariant_rows(torch.float32, {(96, 160)}, 2)
+        == invariant.MAX_ROWS_TRIED[torch.float32][0]
+    )
+    real = invariant.check_linear
+
+    def fails_above_256(dtype, shapes, *args, max_rows=None, **kwargs):
+        if max_rows and max_rows > 256:
+            raise invariant.NotInvariant(f"{max_rows} rows (injected)")
+        return real(dtype, shapes, *args, max_rows=max_rows, **kwargs)
+
+    monkeypatch.setattr(invariant, "check_linear", fails_above_256)
+    model = _tiny_llama(torch.float32, invariant_mode=False)
+    make_invariant(model, "onednn", padding=2)
+    assert {m.max_rows for m in model.modules() if isinstance(m, invariant.InvariantLinear)} == {256}
+
+    def fails(*args, **kwargs):
+        raise invariant.NotInvariant("injected")
+
+    monkeypatch.setattr(invariant, "check_linear", fails)
+    with pytest.raises(invariant.NotInvariant):
+        make_invariant(_tiny_llama(torch.float32, invariant_mode=False), "onednn", padding=2)
