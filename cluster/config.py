@@ -50,3 +50,14 @@ class PoolConfig:
     front: ServerConfig = field(default_factory=ServerConfig)
     # A new session waits this long for a live replica (all starting or restarting) before UNAVAILABLE.
     open_timeout_s: float = 60.0
+    # Every unary call the front relays to a replica (model info, stats) has this deadline; a replica that
+    # misses it is suspect, and the call goes to another one.
+    call_timeout_s: float = 2.0
+    # The front checks each replica's health this often, each check with this as its deadline. A replica
+    # that misses a check is suspect: no new session goes there, and opens it has not answered go to
+    # another replica; one that answers again is trusted again.
+    health_interval_s: float = 1.0
+    # A replica that misses this many checks in a row is frozen: its sessions end UNAVAILABLE, and their
+    # edges resume elsewhere with their committed tokens (a stall of about this many intervals, not the
+    # whole freeze).
+    frozen_after_misses: int = 2

@@ -12,6 +12,12 @@ edge's next messages are left unread until that replica's first reply. A replica
 front frees its slot and sends the same open to the least loaded live replica it has not tried yet; the
 edge sees the refusal only when every live replica refused, with the smallest `retry-after-ms` among
 them. This costs nothing per round: the first proposal waits one hop for the open's reply.
+
+A replica can also freeze (a stopped process, a hung host) without its connection breaking. The front
+checks each replica's health every `health_interval_s` with that as the deadline, and gives every unary
+relay a deadline (`call_timeout_s`): a replica that misses one is suspect, new sessions go elsewhere, and
+opens it has not answered are sent on to another replica; after `frozen_after_misses` missed checks in a
+row its sessions end UNAVAILABLE, and their edges resume elsewhere with their committed tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import logging
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.pool import NoReplica, NoSuchNumerics, Pool
-from cluster.routing import State, soonest
+from cluster.routing import Slot, State, soonest
 from draftwire.aio import within
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
@@ -86,6 +92,14 @@ def add_stats(total: pb.ServerStats, reply: pb.ServerStats) -> None:
     total.gamma_cap = min(caps, default=0)  # the tightest replica's
 
 
+class _Relay:
+    """One edge session's call to a replica: whether the replica answered its open, and why the front
+    cut it (None: it did not)."""
+
+    def __init__(self, call):
+        self.call, self.opened, self.cut = call, False, None
+
+
 class Front:
     def __init__(self, pool: Pool, config: ServerConfig):
         self.pool = pool
@@ -94,6 +108,8 @@ class Front:
         self.metrics_port: int | None = None  # the bound one, once started with metrics
         self._health = None
         self._health_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._relays: dict[str, set[_Relay]] = {}  # replica name -> the session calls to it
 
     async def start(self) -> int:
         """Serves the Verifier service, health and reflection; returns the bound port.
@@ -125,11 +141,13 @@ class Front:
                 snapshot, self.config.metrics_host, self.config.metrics_port, self.config.metrics_token_file
             )
         self._health_task = asyncio.get_running_loop().create_task(self._follow_health())
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch_replicas())
         return port
 
     async def stop(self, grace: float = 2.0) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._watch_task):
+            if task is not None:
+                task.cancel()
         if self.server is not None:
             await self.server.stop(grace)
 
@@ -159,6 +177,8 @@ class Front:
                 slot = await self._slot(tried, numerics, refusals, context)
                 call = self._call(slot, context)
                 calls[:] = [call]
+                relay = _Relay(call)
+                self._relays.setdefault(slot.name, set()).add(relay)
                 up = None
                 try:
                     with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
@@ -166,6 +186,7 @@ class Front:
                     # Only the open goes before the replica's first reply: the edge's next messages wait
                     # unread, so if this replica refuses the session the next one can take it whole.
                     reply = await call.read()
+                    relay.opened = True
                     up = asyncio.get_running_loop().create_task(_pump(messages, call))
                     while reply is not grpc.aio.EOF:
                         yield reply
@@ -179,10 +200,15 @@ class Front:
                         self.pool.replica_failed(slot)
                     await _abort(context, e)
                 except asyncio.CancelledError:
+                    if relay.cut is not None and not revoked:  # the replica stopped answering
+                        if not relay.opened:
+                            continue  # its open goes to another replica, whole
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, relay.cut)
                     if not revoked:  # the edge went away
                         raise
                     await context.abort(revoked[0].refusal.code, str(revoked[0]))
                 finally:
+                    self._relays.get(slot.name, set()).discard(relay)
                     if up is not None:
                         up.cancel()
                     call.cancel()
@@ -215,15 +241,26 @@ class Front:
         return self.pool.channel(slot).stream_stream(f"/{SERVICE}/Session")(metadata=metadata)
 
     async def _model_info(self, request: bytes, context) -> bytes:
-        try:
-            slot = await self.pool.acquire(session=False)
-        except NoReplica as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        try:
-            call = self.pool.channel(slot).unary_unary(f"/{SERVICE}/GetModelInfo")
-            return await call(request, metadata=self.pool.hop_metadata(auth.caller()))
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details() or "")
+        """A live replica's model info, within the call deadline: a replica that misses it (or cannot be
+        reached) is suspect, and the next one is asked."""
+        tried: set[str] = set()
+        while True:
+            try:
+                slot = await self.pool.acquire(session=False, exclude=tried)
+            except NoReplica as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            tried.add(slot.name)
+            try:
+                call = self.pool.channel(slot).unary_unary(f"/{SERVICE}/GetModelInfo")
+                return await call(
+                    request,
+                    metadata=self.pool.hop_metadata(auth.caller()),
+                    timeout=self.pool.config.call_timeout_s,
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    await context.abort(e.code(), e.details() or "")
+                self.pool.suspect(slot, f"missed the model info's deadline ({e.code().name})")
 
     async def _stats(self, request: pb.StatsRequest, context) -> pb.ServerStats:
         """Sums the counters of the replicas that serve now (a restarted replica starts from zero); for
@@ -237,7 +274,7 @@ class Front:
                 f"/{SERVICE}/GetStats",
                 request_serializer=pb.StatsRequest.SerializeToString,
                 response_deserializer=pb.ServerStats.FromString,
-            )(request, timeout=10, metadata=metadata)
+            )(request, timeout=self.pool.config.call_timeout_s, metadata=metadata)
             for s in slots
         ]
         total = pb.ServerStats()
@@ -249,6 +286,49 @@ class Front:
         if total.generated_tokens:
             total.target_positions_per_token = total.round_positions / total.generated_tokens
         return total
+
+    async def _watch_replicas(self) -> None:
+        """Checks every live replica's health each health_interval_s (its deadline too): one that misses
+        a check is suspect (Pool.suspect) and the opens it has not answered go to another replica; one
+        that misses frozen_after_misses in a row is frozen, and its sessions end UNAVAILABLE (their
+        edges resume elsewhere); one that answers is trusted again."""
+        config, misses = self.pool.config, {}
+        while True:
+            slots = [s for s in self.pool.table.of(State.LIVE) if self.pool.has_channel(s)]
+            answers = await asyncio.gather(*(self._answers(s, config.health_interval_s) for s in slots))
+            for slot, answered in zip(slots, answers, strict=True):
+                if answered:
+                    misses.pop(slot.name, None)
+                    self.pool.trusted(slot)
+                    continue
+                misses[slot.name] = missed = misses.get(slot.name, 0) + 1
+                self.pool.suspect(slot, f"missed {missed} health check(s)")
+                self._cut(slot, frozen=missed >= config.frozen_after_misses)
+            for name in [n for n in misses if n not in self.pool.table.slots]:
+                del misses[name]
+            await asyncio.sleep(config.health_interval_s)
+
+    async def _answers(self, slot: Slot, timeout_s: float) -> bool:
+        """Whether the replica answers a health check within `timeout_s` (SERVING or not: a draining
+        replica answers, a frozen one does not)."""
+        stub = health_pb2_grpc.HealthStub(self.pool.channel(slot))
+        metadata = self.pool.hop_metadata(auth.Identity("front", admin=True))
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            return e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        return True
+
+    def _cut(self, slot: Slot, frozen: bool) -> None:
+        """Cancels the session calls to a replica that stopped answering: those it has not opened yet (they
+        go to another replica), and once it is `frozen` the others too (their edges resume elsewhere)."""
+        why = (
+            f"the verifier replica {slot.name} stopped answering: resume elsewhere with the committed tokens"
+        )
+        for relay in list(self._relays.get(slot.name, ())):
+            if relay.cut is None and (frozen or not relay.opened):
+                relay.cut = why
+                relay.call.cancel()
 
     async def _follow_health(self) -> None:
         """SERVING while at least one replica is live."""

@@ -121,6 +121,24 @@ class Pool:
             self._notify()
             self._spawn(self._confirm(slot.name))
 
+    def suspect(self, slot: Slot, why: str) -> None:
+        """The replica missed a health check or a deadline (`why`): no new session goes there until it
+        answers again (`trusted`)."""
+        if not slot.suspect:
+            log.warning("replica %s at %s %s: routing new sessions around it", slot.name, slot.address, why)
+            slot.suspect = True
+            self._notify()
+
+    def trusted(self, slot: Slot) -> None:
+        """A suspect replica answered its health check: it takes new sessions again."""
+        if slot.suspect:
+            log.info("replica %s at %s answers again", slot.name, slot.address)
+            slot.suspect = False
+            self._notify()
+
+    def has_channel(self, slot: Slot) -> bool:
+        return slot.name in self._channels
+
     @property
     def open_sessions(self) -> int:
         """Sessions streaming through a replica plus those waiting for one: the load scaling follows."""

@@ -29,6 +29,7 @@ class Slot:
     sessions: int = 0
     numerics: str = ""  # the replica's numerics identity (cluster/replica.py ReplicaInfo)
     last_pick: int = 0  # breaks ties between equally loaded replicas: the longest unpicked wins
+    suspect: bool = False  # missed a health check or a deadline: LIVE, but no new session goes there
 
 
 @dataclass
@@ -42,7 +43,7 @@ class RoutingTable:
 
     def live(self, name: str, address: str) -> None:
         slot = self.slots[name]
-        slot.state, slot.address = State.LIVE, address
+        slot.state, slot.address, slot.suspect = State.LIVE, address, False
 
     def down(self, name: str) -> None:
         """The replica's process is gone: its sessions break, none is routed to it until `live`."""
@@ -57,12 +58,15 @@ class RoutingTable:
         self.slots.pop(name, None)
 
     def pick(self, exclude: Collection[str] = (), numerics: str = "") -> Slot | None:
-        """The least loaded live replica not named in `exclude` and, when `numerics` names one, of that
-        numerics identity (the longest unpicked among equals); None when there is none."""
+        """The least loaded live replica not suspect, not named in `exclude` and, when `numerics` names
+        one, of that numerics identity (the longest unpicked among equals); None when there is none."""
         live = [
             s
             for s in self.slots.values()
-            if s.state is State.LIVE and s.name not in exclude and (not numerics or s.numerics == numerics)
+            if s.state is State.LIVE
+            and not s.suspect
+            and s.name not in exclude
+            and (not numerics or s.numerics == numerics)
         ]
         if not live:
             return None

@@ -185,11 +185,14 @@ class EdgeSession:
                             yield new
                     if self._finished(request, stats, generated, legs):
                         return
-                except VerifierError as e:
+                except (VerifierError, grpc.aio.AioRpcError) as caught:
+                    e = caught  # an AioRpcError: the model info's, asked before an open
+                    if isinstance(caught, grpc.aio.AioRpcError):
+                        e = _before_open(VerifierError(caught.code(), caught.details() or ""))
                     if self._leg_refused(e, stats, generated, legs):
                         continue
                     if e.code != grpc.StatusCode.UNAVAILABLE:
-                        raise
+                        raise e from None
                     now = time.perf_counter()
                     if len(generated) > progress or streak == 0:
                         streak, since, progress = 0, now, len(generated)
@@ -326,6 +329,8 @@ class EdgeSession:
                 # The verifier accepts this open: the status was the transport failing (a dropped
                 # connection, a killed verifier, bytes corrupted in flight), which a resume can cure.
                 error = _stream_broke(error)
+            if not inbox.opened:
+                error = _before_open(error)
             raise error from None
         finally:
             inbox.close()
@@ -488,6 +493,15 @@ _CORE_INTERNAL = "Internal error from Core"
 # And when the connection's bytes go bad (TLS fails a record's check: TSI_DATA_CORRUPTED) or it is torn
 # down under a stream; the verifier never answers UNKNOWN itself.
 _STREAM_REMOVED = "Stream removed"
+
+
+def _before_open(error: VerifierError) -> VerifierError:
+    """An error before a session opened as the generation loop takes it: a deadline missed then (the
+    model info's or the open's: a frozen or overloaded verifier) is the UNAVAILABLE the edge resumes
+    after, within its resume budget, as after a broken stream."""
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return VerifierError(grpc.StatusCode.UNAVAILABLE, f"no answer in time: {error.details}")
+    return error
 
 
 def logit_bias_refusal(sampling, vocab_size: int) -> str | None:

@@ -265,6 +265,71 @@ def test_killed_replica_process_its_sessions_resume_elsewhere_exactly(pool, loop
     assert per_replica[victim].sessions_opened >= 1  # the restarted replica takes sessions again
 
 
+def test_a_frozen_replica_is_routed_around_and_its_sessions_resume_elsewhere_exactly(pool, loop, engine):
+    """SIGSTOP of one replica's process (frozen: its connections stay up, nothing answers) in the middle of
+    four generations. Model info and new sessions through the front are answered by the other replica
+    at once; the two sessions on the frozen one stall a few health checks, not the whole freeze, then
+    resume elsewhere with their committed tokens, and every output equals the undisturbed one. Once the
+    replica is continued it is trusted again."""
+    new_tokens = 200
+    loop.run(pool.wait_for(live(2), timeout=120))
+    victim = next(iter(pool.info))
+    victim_pid = pool.info[victim].pid
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(pool.address) as channel:
+            runs = [generation(channel, engine, p, new_tokens, seed=i) for i, p in enumerate(PROMPTS)]
+            committed = [c for _, c, _ in runs]
+            while min(len(c) for c in committed) < 16:
+                await asyncio.sleep(0.01)
+            on_victim = pool.table.slots[victim].sessions
+            os.kill(victim_pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            at_stop = [len(c) for c in committed]
+            moved = [None] * len(runs)  # seconds after the stop each generation moved on
+
+            async def watch():
+                while None in moved:
+                    for i, c in enumerate(committed):
+                        if moved[i] is None and len(c) > at_stop[i]:
+                            moved[i] = time.monotonic() - stopped
+                    await asyncio.sleep(0.01)
+
+            watcher = asyncio.get_running_loop().create_task(watch())
+            try:
+                await asyncio.sleep(0.2)  # frozen before the front's next health check
+                stub = pb_grpc.VerifierStub(channel)
+                infos, opens = [], []
+                for _ in range(4):
+                    start = time.monotonic()
+                    await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=15)
+                    infos.append(time.monotonic() - start)
+                for p in PROMPTS[:2]:
+                    start = time.monotonic()
+                    call = await held(channel, p)
+                    opens.append(time.monotonic() - start)
+                    assert not isinstance(call, grpc.aio.AioRpcError), call.details()
+                    call.cancel()
+                await asyncio.gather(*(task for task, _, _ in runs))
+                await asyncio.wait_for(watcher, 5)
+            finally:
+                watcher.cancel()
+                os.kill(victim_pid, signal.SIGCONT)
+            return committed, [s for _, _, s in runs], at_stop, on_victim, infos, opens, moved
+
+    committed, stats, at_stop, on_victim, infos, opens, moved = loop.run(scenario(), timeout=180)
+    print(f"\nfrozen replica: model info {max(infos):.2f} s, opens {max(opens):.2f} s, stalls", moved)
+    assert on_victim == 2 and all(n < new_tokens for n in at_stop)
+    for prompt, ids in zip(PROMPTS, committed, strict=True):
+        assert ids == expected(engine, prompt, new_tokens)
+    assert sum(s.resumes for s in stats) == 2
+    # Bounds of the behaviour itself, generous for a busy machine: a relay's deadline is 2 s (it took the
+    # full 10 s before), and a frozen session stalls about two 1 s health checks (before: the freeze).
+    assert max(infos) < 5 and max(opens) < 5, (infos, opens)
+    assert max(moved) < 12, moved
+    loop.run(pool.wait_for(lambda p: not p.table.slots[victim].suspect, timeout=30))
+
+
 def test_scaling_down_drains_a_replica_without_cutting_its_session(pool, loop, engine):
     """Resize 2 -> 1 while each replica holds a session: the drained one gets no new session, keeps its own
     to the end, and only then is its process killed."""
