@@ -143,6 +143,25 @@ def _worker_init() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since its spawn (_spawning)
+    _die_with_parent()
+
+
+def _die_with_parent(every_s: float = 0.5) -> None:
+    """Exits the worker once its parent (the edge) is gone, however it went (SIGKILL included): a
+    thread watches for the worker being handed to another parent. The resource tracker, whose pipe the
+    worker holds too, then sees it close and exits as well (no orphans, issue 55)."""
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 @contextlib.contextmanager
