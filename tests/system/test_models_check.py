@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from draftwire import cpus
 from tests.exact.test_vocab import VOCABS
 from tools.models.check import check_pair
 from tools.rig.serverproc import DRAFTWIRE
@@ -21,6 +22,10 @@ def test_a_pair_is_accepted_and_its_own_export_agrees_more_than_another_model(te
     assert own.agreement > 0.8 > other.agreement
     lines = own.lines()
     assert lines[0].startswith("pair: accepted: same vocabulary (512 tokens")
+    # The target is timed on the threads `serve` takes (it was timed on torch's default, every core,
+    # beside the draft's threads: 772 ms a token where serve decoded at 207, docs/sharing.md).
+    assert own.target_threads == cpus.threads()
+    assert any(f"alone ({cpus.threads()} threads, as serve takes them)" in line for line in lines)
     assert any(line.startswith("expected: ") for line in lines)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from draftwire import cpus
 from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.vocab import compare_vocabularies, tokens_from_hf, tokens_from_llama
 from edge_client.adaptive import Estimates, best_setting, tokens_per_second
@@ -35,6 +36,7 @@ class Report:
     positions: int = 0  # positions compared
     draft_token_ms: float | None = None
     target_position_ms: float | None = None  # one position alone (the target alone's cost a token)
+    target_threads: int = 0  # torch's threads the target was timed with: serve's (draftwire.cpus.threads)
     verify_ms: dict[int, float] | None = None  # positions -> ms of one forward
     best: tuple[int, int] | None = None  # (γ, depth)
     speedup: float | None = None  # model's tokens/s at best over the target alone's
@@ -55,7 +57,8 @@ class Report:
         verify = ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted((self.verify_ms or {}).items()))
         out.append(
             f"costs here: draft {self.draft_token_ms:.1f} ms/token; target {self.target_position_ms:.1f} ms "
-            f"alone, a forward of n positions (ms) {verify}"
+            f"alone ({self.target_threads} threads, as serve takes them), a forward of n positions (ms) "
+            f"{verify}"
         )
         gamma, depth = self.best
         out.append(
@@ -87,6 +90,9 @@ def check_pair(
     from verifier_service.engine import NoExactPath, TargetEngine, UnsupportedModel
 
     log("loading the target (the checks at load run: conformance, invariance)")
+    import torch
+
+    torch.set_num_threads(cpus.threads())  # as `serve` runs it (draftwire_cli.serving.load_target)
     try:
         engine = TargetEngine.load(target_dir, dtype=dtype, kernels=kernels)
     except (UnsupportedModel, NoExactPath) as e:
@@ -94,6 +100,7 @@ def check_pair(
     n = engine.numerics
     reason = f"same vocabulary ({engine.info.vocabulary.describe()}); target {n.dtype}, {n.kernels}"
     report = Report(True, reason, rtt_ms=rtt_ms, chat_templates_equal=templates)
+    report.target_threads = torch.get_num_threads()
     drafter = LlamaDrafter(DrafterConfig(draft_path, n_ctx=0))
     prompts = prompts or _default_prompts(target_dir, tokenizer)
     outputs = []
@@ -182,12 +189,14 @@ def _measure_agreement(report: Report, drafter, prompts, outputs) -> None:
     report.acceptance = tuple(h / r if r else report.agreement for h, r in zip(hit, reached, strict=True))
 
 
-def _measure_costs(report: Report, engine, drafter, prompt: Sequence[int], repeats: int = 3) -> None:
-    """Medians of `repeats`: the draft's seconds a token (γ 8 from a synced prefix), the target's forward
-    of 1, 2, 5 and 9 positions after the prompt."""
+def _measure_costs(report: Report, engine, drafter, prompt: Sequence[int], repeats: int = 5) -> None:
+    """Medians of `repeats`, each after one untimed run of the same shape (the first run of a shape
+    builds its kernels, as Batcher.calibrate's first pass does): the draft's seconds a token (γ 8 from a
+    synced prefix), the target's forward of 1, 2, 5 and 9 positions after the prompt."""
     sequence = list(prompt)
 
     def median(f) -> float:
+        f()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
