@@ -381,7 +381,9 @@ def add_edge_app(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--db", type=Path, default=None, help="conversations (default: $XDG_DATA_HOME/draftwire/edge.sqlite3)"
     )
-    p.add_argument("--threads", type=count, default=0, help="llama.cpp threads of the draft (0: its choice)")
+    p.add_argument(
+        "--threads", type=count, default=0, help="llama.cpp threads of the draft (0: one per CPU left free)"
+    )
     add_speculation(p)
     defaults = Settings()
     p.add_argument(

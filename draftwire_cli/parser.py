@@ -80,7 +80,9 @@ def _serve(sub) -> None:
     p.add_argument(
         "--batch-window-ms", type=seconds, default=10.0, help="longest wait for open sessions before a batch"
     )
-    p.add_argument("--threads", type=count, default=0, help="torch threads of the engine (0: torch's choice)")
+    p.add_argument(
+        "--threads", type=count, default=0, help="torch threads of the engine (0: one per CPU left free)"
+    )
     p.add_argument(
         "--prefix-cache-mb",
         type=megabytes,
