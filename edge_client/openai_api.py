@@ -211,7 +211,7 @@ def parse_chat(body: dict[str, Any], defaults: Settings) -> CompletionRequest:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
     try:
-        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
         constraint = parse_response_format(body.get("response_format"))
         calls = tools.constraint() if tools is not None else None
         if calls is not None:

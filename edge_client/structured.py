@@ -45,6 +45,7 @@ class Tools:
     functions: tuple[dict, ...]  # OpenAI's tool objects ({"type": "function", "function": {...}})
     choice: str = "auto"  # "auto", "required", "none", or "function" (one named)
     named: str | None = None  # the function tool_choice names
+    parallel: bool = True  # parallel_tool_calls: several calls in one reply (required)
 
     @property
     def offered(self) -> tuple[dict, ...]:
@@ -73,7 +74,7 @@ class Tools:
             for t in self.offered
         ]
         schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
-        repeat = "" if self.named is not None else ' ("\\n" call)*'
+        repeat = "" if self.named is not None or not self.parallel else ' ("\\n" call)*'
         grammar = (
             f"start: call{repeat}\n"
             f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n'
@@ -137,8 +138,11 @@ def _checked(constraint: Constraint, param: str) -> Constraint:
     return constraint
 
 
-def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
-    """OpenAI's `tools` (functions) and `tool_choice`. Raises StructuredRequestError."""
+def parse_tools(tools: Any, tool_choice: Any, parallel: Any = None) -> Tools | None:
+    """OpenAI's `tools` (functions), `tool_choice` and `parallel_tool_calls`. Raises
+    StructuredRequestError."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise StructuredRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise StructuredRequestError("tool_choice needs tools", "tool_choice")
@@ -188,7 +192,7 @@ def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
         raise StructuredRequestError(
             "tool_choice must be none, auto, required or a named function", "tool_choice"
         )
-    return Tools(tuple(functions), choice, named)
+    return Tools(tuple(functions), choice, named, parallel is not False)
 
 
 def tools_instruction(tools: tuple[dict, ...]) -> str:

@@ -263,6 +263,24 @@ def live_sessions(info: pb.ModelInfo):
     return st.builds(lambda o, p: ("session", [o, *p], True), opens, plan)
 
 
+# Structured output: valid, broken and random schemas, grammars and regular expressions (docs/design.md).
+_SOURCES = {
+    "json_schema": ['{"type": "object"}', '{"type": "objekt"}', '{"if": {}}', "[", '{"$ref": "#/x"}', "{}"],
+    "grammar": ['start: "a" | "b"', "start: x", "start: /(/", "%ignore"],
+    "regex": ["[0-9]+", "(a|b", "a{99999}", "(a*)*b", "\\"],
+}
+CONSTRAINTS = st.one_of(
+    st.just(pb.Constraint(json_object=True)),
+    *(
+        st.builds(
+            lambda source, kind=kind: pb.Constraint(**{kind: source}),
+            st.one_of(st.sampled_from(valid), st.text(max_size=300)),
+        )
+        for kind, valid in _SOURCES.items()
+    ),
+)
+
+
 def cases(info: pb.ModelInfo):
     """Every case: ("session", [Step or Live], lockstep), ("unary", path, bytes) or ("health", method,
     bytes)."""
@@ -292,6 +310,7 @@ def cases(info: pb.ModelInfo):
         generated_token_ids=sometimes([], id_lists(vocab, 8, (context, 5000))),
         vocab_size=sometimes(vocab, U32S),
         drafting=st.one_of(st.just(0), st.just(0), st.sampled_from([0, 1, 2, 3, 2**31 - 1, -1])),
+        constraint=sometimes(None, CONSTRAINTS),
     ).map(lambda o: Step(pb.EdgeMessage(open=o)))
     proposals = st.builds(
         lambda r, s, d, a, nr, fo, asm: Step(

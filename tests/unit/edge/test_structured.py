@@ -161,6 +161,14 @@ def test_bad_tool_messages_are_400(message):
         parse_chat({"messages": [*USER, message]}, Settings())
 
 
+def test_parallel_tool_calls_false_allows_one_call():
+    several = chat(tools=[WEATHER, TIME], tool_choice="required").constraint.source
+    one = chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False).constraint.source
+    assert "call)*" in several and "call)*" not in one
+    with pytest.raises(BadRequest):
+        chat(tools=[WEATHER], parallel_tool_calls="yes")
+
+
 def test_tools_named_offer_that_one():
     assert [t["function"]["name"] for t in Tools((WEATHER, TIME), "function", "get_time").offered] == [
         "get_time"

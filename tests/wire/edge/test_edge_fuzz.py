@@ -38,6 +38,24 @@ SEEDS = {
         "stream": False,
         "stream_options": {"include_usage": True},
         "n": 1,
+        # Structured output (edge_client/structured.py): a schema and tools, mutated like the rest.
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "a",
+                "schema": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            },
+        },
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"y": {"enum": [1]}}},
+                },
+            }
+        ],
+        "tool_choice": "auto",
     },
     "/v1/completions": {"prompt": "def f(", "max_tokens": 4, "temperature": 0, "stream": True, "seed": 1},
     "/api/conversations": {"title": "t", "settings": {"temperature": 0.5, "max_tokens": 4}},
@@ -105,11 +123,29 @@ def mutate(body: dict, rng: random.Random) -> dict:
             body[rng.choice(keys)] = odd_value(rng)
         elif action < 0.85:
             body[rng.choice(["extra", "logprobs", "tools", "functions", "model"])] = odd_value(rng)
+        elif action < 0.93:
+            _poke(body, rng)
         elif "messages" in body and isinstance(body["messages"], list):
             body["messages"].append(
                 {"role": rng.choice(["user", "assistant", "system", "tool"]), "content": odd_value(rng)}
             )
     return body
+
+
+def _poke(body: dict, rng: random.Random) -> None:
+    """An odd value somewhere inside: a schema's keyword, a tool's parameters, a message's part."""
+    node = body
+    for _ in range(rng.randrange(1, 6)):
+        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
+        children = [c for c in children if isinstance(c, dict | list) and c]
+        if not children:
+            break
+        node = rng.choice(children)
+    if isinstance(node, dict):
+        key = rng.choice([*node, "type", "enum", "pattern", "$ref", "anyOf", "minimum", "format"])
+        node[key] = odd_value(rng) if rng.random() < 0.7 else rng.choice(["(", "#/x", "uri", "[a-"])
+    elif isinstance(node, list) and node:
+        node[rng.randrange(len(node))] = odd_value(rng)
 
 
 def request_of(rng: random.Random, cid: str) -> tuple[str, str, bytes, dict]:
