@@ -21,12 +21,18 @@ def load_vocab(path: Path):
     return VocabOnly(path)
 
 
-def load_drafter(path: Path, threads: int = 0):
+def load_drafter(path: Path, threads: int = 0, share_cpus: bool = False):
+    """`share_cpus`: a verifier runs on this machine too; draft on the draft's share (draftwire.cpus)."""
+    from draftwire import cpus
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from edge_client.llama_runtime import load_backends
 
     print(f"draftwire: {load_backends().summary}", file=sys.stderr, flush=True)
-    return LlamaDrafter(DrafterConfig(model_path=path, n_threads=threads))
+    split = cpus.split(cpus.usable())
+    on = split.draft if share_cpus and not split.shared else ()
+    if share_cpus:
+        print(f"draftwire: {split.describe()}", file=sys.stderr, flush=True)
+    return LlamaDrafter(DrafterConfig(model_path=path, n_threads=threads, cpus=on))
 
 
 def _emit(args, token_ids: list[int], text: str, stats: dict, logprobs=()) -> None:
@@ -196,7 +202,9 @@ def edge(args) -> int:
             "$DRAFTWIRE_EDGE_API_KEY), or --public-without-key to do it anyway"
         )
     check_free(args.host, args.port)  # a busy port is said before the draft loads (serve checks again)
-    drafter = load_drafter(args.draft, args.threads) if args.draft else load_vocab(args.vocab)
+    drafter = (
+        load_drafter(args.draft, args.threads, args.share_cpus) if args.draft else load_vocab(args.vocab)
+    )
     name = args.draft.name if args.draft else f"none (thin, server drafting {args.server_drafting})"
 
     def ready(url: str, model: str | None = None) -> None:

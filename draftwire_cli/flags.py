@@ -384,6 +384,12 @@ def add_edge_app(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=count, default=0, help="llama.cpp threads of the draft (0: one per CPU left free)"
     )
+    p.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="the verifier runs on this machine too (serve --share-cpus): draft on the draft's share of "
+        "the CPUs, as demo divides them (docs/sharing.md)",
+    )
     add_speculation(p)
     defaults = Settings()
     p.add_argument(

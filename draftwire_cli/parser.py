@@ -54,6 +54,12 @@ def _serve(sub) -> None:
     p.add_argument("--target", type=Path, required=True, help="transformers model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port, default=VERIFIER_PORT, help="0 picks a free port (printed)")
+    p.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="an edge drafts on this machine too: take the verifier's share of the CPUs (the edge's "
+        "--share-cpus takes the draft's), as demo divides them (docs/sharing.md)",
+    )
     p.add_argument("--max-gamma", type=positive, default=16, help="most draft tokens a proposal may carry")
     p.add_argument(
         "--no-gamma-cap",

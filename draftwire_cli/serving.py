@@ -60,6 +60,12 @@ def serve(args) -> int:
     )
     if args.ray:
         return _serve_pool(args, config)
+    if args.share_cpus:  # before torch loads: its threads, and every thread started after, take them
+        split = cpus.split(cpus.usable())
+        print(f"draftwire: {split.describe()}", file=sys.stderr, flush=True)
+        if not split.shared:
+            cpus.pin(split.verifier)
+            args.threads = args.threads or len(split.verifier)
     engine = load_target(args)
     if engine is None:
         return 2
