@@ -33,7 +33,7 @@ from draftwire.grammar import InvalidConstraint
 from draftwire.ngram import NGRAM_GAMMA, ngram_draft
 from draftwire.rules import adjusted_logits, choose_tokens, commit_round, masked_logits, token_logprobs
 from verifier_service.batcher import Batcher, Engine
-from verifier_service.constraints import session_matcher
+from verifier_service.constraints import grammar_tokenizer, session_matcher
 from verifier_service.engine import Forward
 
 
@@ -224,6 +224,8 @@ class VerifierSession:
 
         Raises InvalidRequest or WrongState before any work, and what the engine raises.
         """
+        if spec.constraint is not None:  # its vocabulary built once, off the loop (a second at 150k ids)
+            await asyncio.to_thread(grammar_tokenizer, batcher.engine)
         session = cls(batcher, spec, *args, **kwargs)
         if admit is not None:
             admit(session)
