@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import contextlib
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -123,37 +123,32 @@ async def chat(
     )
     loop = asyncio.get_running_loop()
     messages: list[dict[str, str]] = []
-    while True:
-        if once is not None:
-            line = once
-        else:
-            try:
-                out.flush()
-                line = read_line("you> ")  # on this thread, so that Ctrl-C here raises KeyboardInterrupt
-            except (EOFError, KeyboardInterrupt):
-                out.write("\n")
+    with _Interrupts(loop) as interrupts:
+        while True:
+            if once is not None:
+                line = once
+            else:
+                try:
+                    out.flush()
+                    line = await interrupts.around(_read_line(loop, read_line, "you> "))
+                except (EOFError, _Interrupted):
+                    out.write("\n")
+                    break
+            if not line.strip():
                 break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        out.write("draftwire> ")
-        shown = _Shown(out)
-        task = asyncio.ensure_future(reply(session, messages, config, shown))
-        with _interrupts(loop, task):
+            messages.append({"role": "user", "content": line})
+            out.write("draftwire> ")
+            shown = _Shown(out)
             try:
-                text, stats = await task
-            except asyncio.CancelledError:
-                if not task.cancelled():  # the chat itself is being cancelled
-                    raise
-                text, stats = None, None
-        if stats is None:  # stopped: the conversation keeps what was shown
-            out.write("\n[stopped]\n")
-            messages.append({"role": "assistant", "content": shown.text()})
-        else:
-            messages.append({"role": "assistant", "content": text})
-            out.write(summary(stats) + "\n")
-        if once is not None:
-            break
+                text, stats = await interrupts.around(reply(session, messages, config, shown))
+            except _Interrupted:  # stopped: the conversation keeps what was shown
+                out.write("\n[stopped]\n")
+                messages.append({"role": "assistant", "content": shown.text()})
+            else:
+                messages.append({"role": "assistant", "content": text})
+                out.write(summary(stats) + "\n")
+            if once is not None:
+                break
 
 
 class _Shown:
@@ -173,18 +168,69 @@ class _Shown:
         return "".join(self.parts)
 
 
-@contextlib.contextmanager
-def _interrupts(loop: asyncio.AbstractEventLoop, task: asyncio.Future):
-    """Ctrl-C cancels `task` (the reply) instead of the whole chat, where the loop can take signals."""
-    try:
-        loop.add_signal_handler(signal.SIGINT, task.cancel)
-    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-        yield
-        return
-    try:
-        yield
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
+class _Interrupted(Exception):
+    """Ctrl-C stopped what the chat was waiting for (a reply, or the next line)."""
+
+
+class _Interrupts:
+    """Ctrl-C for the whole chat, where the loop can take signals: it cancels what the chat awaits now
+    (`around`): the reply under way, which stops it, or the prompt's read, which ends the chat. One
+    handler from start to end: none of a terminal's Ctrl-C falls between two (Python's default would then
+    raise KeyboardInterrupt wherever the chat was), and the line is read on a thread of its own, so that
+    a Ctrl-C at the prompt is not left pending in whichever thread took it until Enter."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.current, self.installed = loop, None, False
+
+    def __enter__(self) -> _Interrupts:
+        try:
+            self.loop.add_signal_handler(signal.SIGINT, self._interrupt)
+            self.installed = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:
+            self.loop.remove_signal_handler(signal.SIGINT)
+
+    def _interrupt(self) -> None:
+        if self.current is not None:
+            self.current.cancel()
+
+    async def around(self, awaitable):
+        """Awaits it; raises _Interrupted when Ctrl-C cancelled it."""
+        task = self.current = asyncio.ensure_future(awaitable)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if not task.cancelled():  # the chat itself is being cancelled
+                raise
+            raise _Interrupted from None
+        finally:
+            self.current = None
+
+
+async def _read_line(loop: asyncio.AbstractEventLoop, read_line: Callable[[str], str], prompt: str) -> str:
+    """read_line(prompt) on a daemon thread: a read that Ctrl-C abandons does not hold the exit."""
+    done: asyncio.Future = loop.create_future()
+
+    def settle(outcome, error) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(outcome)
+
+    def run() -> None:
+        try:
+            line = read_line(prompt)
+        except KeyboardInterrupt:  # a read_line that says Ctrl-C so (asyncio re-raises the real one)
+            loop.call_soon_threadsafe(settle, None, _Interrupted())
+        except BaseException as e:  # EOFError: Ctrl-D
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, line, None)
+
+    threading.Thread(target=run, name="chat-input", daemon=True).start()
+    return await done
 
 
 def special_piece(drafter, token_id: int | None) -> str:
