@@ -164,21 +164,14 @@ class Front:
             return
         tried, refusals = set(), []
         numerics = _required_numerics(first)
-        # The edge's credentials are checked again while the session runs, as on a single verifier (the
-        # replicas trust the front): once revoked, the replica's call is cancelled and the edge told.
-        calls, revoked = [], []
-        watch = None
-        if (again := auth.recheck()) is not None:
-            watch = asyncio.get_running_loop().create_task(
-                _revoke(again, self.config.lifetime, calls, revoked)
-            )
+        calls, revoked = [], []  # the call to the replica now; the revocation, once the edge's is revoked
+        watch = self._watch_revocation(calls, revoked)
         try:
             while True:
                 slot = await self._slot(tried, numerics, refusals, context)
-                call = self._call(slot, context)
+                relay = self._relay(slot, context)
+                call = relay.call
                 calls[:] = [call]
-                relay = _Relay(call)
-                self._relays.setdefault(slot.name, set()).add(relay)
                 up = None
                 try:
                     with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
@@ -208,14 +201,28 @@ class Front:
                         raise
                     await context.abort(revoked[0].refusal.code, str(revoked[0]))
                 finally:
-                    self._relays.get(slot.name, set()).discard(relay)
                     if up is not None:
                         up.cancel()
+                    self._relays[slot.name].discard(relay)
                     call.cancel()
                     self.pool.release(slot)
         finally:
             if watch is not None:
                 watch.cancel()
+
+    def _watch_revocation(self, calls: list, revoked: list) -> asyncio.Task | None:
+        """The edge's credentials are checked again while the session runs, as on a single verifier (the
+        replicas trust the front): once revoked, the replica's call in `calls` is cancelled and the
+        revocation put in `revoked` (_revoke). None when nothing is rechecked."""
+        if (again := auth.recheck()) is None:
+            return None
+        return asyncio.get_running_loop().create_task(_revoke(again, self.config.lifetime, calls, revoked))
+
+    def _relay(self, slot: Slot, context) -> _Relay:
+        """A Session call to the replica in `slot` (_call), followed so that a frozen replica's can be cut."""
+        relay = _Relay(self._call(slot, context))
+        self._relays.setdefault(slot.name, set()).add(relay)
+        return relay
 
     async def _slot(self, tried: set, numerics: str, refusals: list, context):
         """The least loaded live replica with the session's numerics that was not `tried` yet (now it is).

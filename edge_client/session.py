@@ -186,9 +186,7 @@ class EdgeSession:
                     if self._finished(request, stats, generated, legs):
                         return
                 except (VerifierError, grpc.aio.AioRpcError) as caught:
-                    e = caught  # an AioRpcError: the model info's, asked before an open
-                    if isinstance(caught, grpc.aio.AioRpcError):
-                        e = _before_open(VerifierError(caught.code(), caught.details() or ""))
+                    e = _as_verifier_error(caught)
                     if self._leg_refused(e, stats, generated, legs):
                         continue
                     if e.code != grpc.StatusCode.UNAVAILABLE:
@@ -282,8 +280,6 @@ class EdgeSession:
         """One Session stream, from open to finish, or to a hand-off (speculation off: the leg it
         appends to `legs`): the edge's round loop."""
         plan = Planner(request, await self.model_info(), generated, stats, self.tuner, self.hand_off)
-        if (refusal := logit_bias_refusal(request.sampling, self.vocab_size())) is not None:
-            raise VerifierError(grpc.StatusCode.INVALID_ARGUMENT, refusal)  # the drafter indexes with them
         call = self.stub.Session()
         inbox = _Inbox(call, stats, self.tuner)
         try:
@@ -329,9 +325,7 @@ class EdgeSession:
                 # The verifier accepts this open: the status was the transport failing (a dropped
                 # connection, a killed verifier, bytes corrupted in flight), which a resume can cure.
                 error = _stream_broke(error)
-            if not inbox.opened:
-                error = _before_open(error)
-            raise error from None
+            raise (error if inbox.opened else _before_open(error)) from None
         finally:
             inbox.close()
             call.cancel()
@@ -458,7 +452,10 @@ class EdgeSession:
         self, request: GenerationRequest, generated: list[int], stats: GenerationStats
     ) -> pb.OpenSession:
         """The open (or resume) message; a resume asks for the numerics the session began with, so it
-        never continues on a verifier that could compute other tokens."""
+        never continues on a verifier that could compute other tokens. Raises VerifierError
+        INVALID_ARGUMENT for a logit_bias id outside the vocabulary (the drafter would index with it)."""
+        if (refusal := logit_bias_refusal(request.sampling, self.vocab_size())) is not None:
+            raise VerifierError(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         vocabulary = self.vocabulary
         if vocabulary is None:  # a thin client that sends ids as they are
             return wire.spec_to_proto(request.spec(generated, numerics=stats.numerics))
@@ -493,6 +490,14 @@ _CORE_INTERNAL = "Internal error from Core"
 # And when the connection's bytes go bad (TLS fails a record's check: TSI_DATA_CORRUPTED) or it is torn
 # down under a stream; the verifier never answers UNKNOWN itself.
 _STREAM_REMOVED = "Stream removed"
+
+
+def _as_verifier_error(error: VerifierError | grpc.aio.AioRpcError) -> VerifierError:
+    """An error of a stream as the generation loop takes it; an AioRpcError is the model info's, asked
+    before an open (_before_open)."""
+    if isinstance(error, VerifierError):
+        return error
+    return _before_open(VerifierError(error.code(), error.details() or ""))
 
 
 def _before_open(error: VerifierError) -> VerifierError:

@@ -179,10 +179,7 @@ class Verifier:
                     await sent(await session.play(session.own_proposal()))
                 self.admission.idle(key, loop.time())  # waits on its edge: may be preempted
         except Preempted as e:
-            self.preempted_sessions += 1
-            committed = len(session.generated) if session is not None else 0
-            log.info("session %s of %r preempted after %d generated tokens", key, client, committed)
-            raise Preempted(f"{e} ({committed} generated tokens committed)") from None
+            raise self._preempted(key, client, session, e) from None
         except (SessionError, Refused, Ended) as e:
             log.info("session %s ended: %s: %s", key, type(e).__name__, e)
             self.revoked_sessions += lifetime.revoked.is_set()
@@ -223,6 +220,13 @@ class Verifier:
             if not await self._preempt(self.admission.victims(client, kv_bytes, loop.time())):
                 raise
         return await opening()  # the room the preempted sessions left (Refused if another took it)
+
+    def _preempted(self, key: str, client: str, session: VerifierSession | None, e: Preempted) -> Preempted:
+        """How a preempted session ends: saying how many generated tokens it had committed."""
+        self.preempted_sessions += 1
+        committed = len(session.generated) if session is not None else 0
+        log.info("session %s of %r preempted after %d generated tokens", key, client, committed)
+        return Preempted(f"{e} ({committed} generated tokens committed)")
 
     async def _preempt(self, keys: list[str], wait_s: float = 2.0) -> bool:
         """Ends the idle sessions `keys` (Preempted) and waits up to `wait_s` for their release; returns
