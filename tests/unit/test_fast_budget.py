@@ -1,5 +1,6 @@
 """The fast tier's time budget is a report at the end of the run, never a failure (tests/conftest.py)."""
 
+import concurrent.futures.process  # noqa: F401  (imported before pytester's run, which unloads what it imports)
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
