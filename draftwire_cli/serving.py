@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 
 import grpc
 
-from draftwire import cpus, wire
+from draftwire import cpus, jsonout, wire
 from draftwire_cli import configs
 from draftwire_cli.flags import UserError
 
@@ -213,7 +212,7 @@ def loadtest(args) -> int:
             file=sys.stderr,
         )
         return 1
-    print(json.dumps(report) if args.json else report_text(report))
+    print(jsonout.dumps(report) if args.json else report_text(report))
     return 0 if report["errors"] == {} and report["mismatches"] == 0 else 1
 
 
