@@ -30,6 +30,34 @@ class DrafterConfig:
     cpus: tuple[int, ...] = ()  # the CPUs the draft's threads run on (empty: the process's own)
 
 
+def grammar_tokenizer(llm, eos_token_ids: list[int]):
+    """llguidance's tokenizer over a GGUF's vocabulary. Control tokens are special, as transformers'
+    special tokens are on the verifier; a user-defined token (Qwen2's `<tool_call>`) is text, as it is
+    there (draftwire/vocab.py), so that the draft's masks allow it where the target's do.
+    (`llguidance.llamacpp` would take every user-defined `<...>` token for a special one.)"""
+    import ctypes
+
+    import llama_cpp
+    import llguidance
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    size = 16 << 10
+    buffer = ctypes.create_string_buffer(size + 1)
+    pieces = []
+    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+        n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
+        if n < 0:
+            raise ValueError(f"token {token} does not fit {size} bytes")
+        piece = bytes(buffer[:n])
+        if llama_cpp.llama_vocab_get_attr(vocab, token) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+            piece = b"\xff" + piece  # llguidance's mark of a special token
+        pieces.append(piece)
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return llguidance.LLTokenizer.from_llamacpp(
+        tokens=pieces, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eos_token_ids, slices=None
+    )
+
+
 class VocabOnly:
     """A GGUF's vocabulary alone (llama.cpp's vocab_only: no weights): how a thin client, which drafts
     nothing, tokenizes its text and reads the verifier's tokens back."""
@@ -119,11 +147,7 @@ class LlamaDrafter(VocabOnly):
         vocabulary of 150k), or None where it does not compile here (the verifier says why)."""
         eos = list(eos_token_ids) or [self.llm.token_eos()]
         if self._grammar_tokenizer is None or self._grammar_tokenizer.eos_tokens != eos:
-            import llama_cpp
-            import llguidance.llamacpp
-
-            vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
-            self._grammar_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, eos_token=eos)
+            self._grammar_tokenizer = grammar_tokenizer(self.llm, eos)
         try:
             return compile_constraint(constraint, self._grammar_tokenizer)
         except InvalidConstraint:

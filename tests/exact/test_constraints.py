@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from draftwire import wire
 from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams, SessionSpec
-from draftwire.grammar import JSON_OPTIONS
+from draftwire.grammar import JSON_OPTIONS, compile_constraint
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
@@ -313,3 +313,21 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length_and_its_valid_prefix(
     [(ids, _)] = speculate(server.address, drafters["q8_0"], [request])
     assert len(ids) == 5 and tokenizer.eos_token_id not in ids  # the length cut it, not the end
     assert tokenizer.decode(ids).startswith('{"')
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_the_drafts_masks_are_the_verifiers_bit_for_bit(tokenizer, hf_constrained, name):
+    """One engine on both sides: the draft's matcher, built from the GGUF's vocabulary, gives the masks the
+    verifier's gives from transformers' tokenizer, at every position of a constrained reply."""
+    from edge_client.drafter import grammar_tokenizer
+    from edge_client.llama_runtime import Llama
+
+    eos = [tokenizer.eos_token_id]
+    llm = Llama(model_path=str(FILES.gguf("q8_0")), vocab_only=True, verbose=False)
+    verifier = compile_constraint(CONSTRAINTS[name], llguidance.hf.from_tokenizer(tokenizer, eos_token=eos))
+    draft = compile_constraint(CONSTRAINTS[name], grammar_tokenizer(llm, eos))
+    reply = [t for t in hf_constrained[name, 0] if t not in eos]
+    for i in range(len(reply) + 1):
+        assert (verifier.allowed() == draft.allowed()).all(), i
+        verifier.follow(reply[: i + 1])
+        draft.follow(reply[: i + 1])
