@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from draftwire.contract import Numerics, TargetInfo
 from draftwire.vocab import vocabulary_from_hf
-from verifier_service import families
+from verifier_service import families, mapped
 from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
 from verifier_service.invariant import (
@@ -381,32 +381,44 @@ class TargetEngine:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         passed_over = []
         for name in candidates:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, name))
-            model = model.to(dev).eval()
-            info = target_info(model_name(model_dir), tokenizer, model.config)
-            chosen = invariant_.resolve(kernels, model.dtype, dev) if invariant else None
-            try:
-                numerics = hardware.numerics(name, invariant, chosen)
-                engine = cls(model, info, dev, invariant, numerics, kernels)
-                engine.check_conformance()
-                if invariant:
-                    engine.check_invariance()
-            except (NotInvariant, UnsupportedModel) as e:
-                # A lower precision can miss the model's own forward by more than its tolerance where
-                # float32 meets it (Qwen2.5-1.5B in bfloat16: 5.9e-2 of the logits' range): auto tries
-                # the next dtype; the last one, or a dtype asked for by name, refuses.
-                if isinstance(e, UnsupportedModel) and name == candidates[-1]:
-                    raise
-                passed_over.append(f"{name}: {e}")
-                model = engine = None  # freed before the next dtype's copy loads
-                gc.collect()
-                continue
-            engine.passed_over, engine.tokenizer = tuple(passed_over), tokenizer
-            return engine
+            last = name == candidates[-1]
+            engine = cls._proven(
+                model_dir, name, tokenizer, dev, (invariant, kernels), hardware, last, passed_over
+            )
+            if engine is not None:
+                engine.passed_over, engine.tokenizer = tuple(passed_over), tokenizer
+                return engine
+            gc.collect()  # the copy that failed, before the next dtype's loads
         raise NoExactPath(
             f"no dtype is bit-exact on this machine ({'; '.join(passed_over)}): run with --no-bit-exact, "
             "which gives up output identical to the target alone"
         )
+
+    @classmethod
+    def _proven(
+        cls, model_dir, name, tokenizer, dev, mode, hardware, last: bool, passed_over: list[str]
+    ) -> TargetEngine | None:
+        """The engine of `model_dir` in dtype `name` and `mode` (invariant, kernels), checked at load;
+        None, with why appended to `passed_over`, where a check fails. Raises UnsupportedModel where
+        the model's own forward is missed in the `last` dtype of the plan (see `load`)."""
+        invariant, kernels = mode
+        model = load_model(model_dir, getattr(torch, name)).to(dev).eval()
+        info = target_info(model_name(model_dir), tokenizer, model.config)
+        chosen = invariant_.resolve(kernels, model.dtype, dev) if invariant else None
+        try:
+            engine = cls(model, info, dev, invariant, hardware.numerics(name, invariant, chosen), kernels)
+            engine.check_conformance()
+            if invariant:
+                engine.check_invariance()
+            return engine
+        except (NotInvariant, UnsupportedModel) as e:
+            # A lower precision can miss the model's own forward by more than its tolerance where
+            # float32 meets it (Qwen2.5-1.5B in bfloat16: 5.9e-2 of the logits' range): auto tries
+            # the next dtype; the last one, or a dtype asked for by name, refuses.
+            if isinstance(e, UnsupportedModel) and last:
+                raise
+            passed_over.append(f"{name}: {e}")
+            return None
 
     def check_conformance(self, prompt: int = 10, gamma: int = 4, seed: int = 1) -> None:
         """Proves that the engine computes the model's own function: the logits of a prefill and two
@@ -619,6 +631,31 @@ class TargetEngine:
         cache = self._caches.pop(key, None)
         if cache is not None:
             self.prefix_cache.put(cache)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM in `model_dir` in `dtype`. A checkpoint of a narrower dtype served in float32 loads
+    as views of its mapped file and is widened one weight at a time, each view's pages given back once
+    copied (verifier_service/mapped.py): the file and the widened weights are never resident whole side
+    by side (Qwen2.5-1.5B: a peak of 11.1 GB loaded straight in float32, for 7.1 GB of weights). Buffers
+    stay as the model made them, which (inverse frequencies of rotary embeddings among them) it makes in
+    float32 itself."""
+    config = AutoConfig.from_pretrained(model_dir)
+    stored = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
+    if dtype != torch.float32 or stored not in (torch.bfloat16, torch.float16, "bfloat16", "float16"):
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    files = mapped.mapped_files()
+    widened: dict[int, torch.nn.Parameter] = {}  # a tied weight widens once
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in widened:
+                widened[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                mapped.drop_pages(param, files)
+            module._parameters[name] = widened[id(param)]
+    return model
 
 
 def model_name(model_dir: Path) -> str:

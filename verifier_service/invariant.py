@@ -39,6 +39,7 @@ None of that is a documented promise of the libraries, so the load proves it on 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import Counter
@@ -49,9 +50,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from verifier_service.numerics import KERNELS
+from verifier_service import mapped
 
-BACKENDS = tuple(k for k in KERNELS if k != "auto")
+BACKENDS = ("onednn", "portable")  # what --kernels names besides auto (verifier_service/numerics.py)
 
 # onednn, per dtype: (the row count the weight is packed for, the fewest rows of one call, the most).
 # float32: in the layout packed for 32 rows, oneDNN's one-row kernel differs from its many-row one, so a
@@ -102,8 +103,8 @@ def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 def resolve(kernels: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     """The backend that `--kernels` names for this dtype on this device: auto takes onednn where it has
     kernels, else portable. Raises ValueError for an unknown name, or onednn where it has none."""
-    if kernels not in KERNELS:
-        raise ValueError(f"unknown kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
+    if kernels != "auto" and kernels not in BACKENDS:
+        raise ValueError(f"unknown kernels {kernels!r}: choose one of auto, {', '.join(BACKENDS)}")
     if kernels == "auto":
         return "onednn" if supported(dtype, device) else "portable"
     if kernels == "onednn" and not supported(dtype, device):
@@ -236,32 +237,37 @@ def make_invariant(
         padding = low
     else:
         holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        files = mapped.mapped_files()
         for module in linears:
             module.repack()
             if holders[id(module.weight)] == 1:
-                _release_weight(module)
+                _release_weight(module, files)
         padding = padding or choose_padding(time_paddings(linears))
         set_padding(model, padding)
     if check:
         for dtype in {m.weight.dtype for m in linears}:
             layers = [m for m in linears if m.weight.dtype == dtype]
-            shapes = {_shape(m) for m in layers}
+            own = {_shape(m): m for m in layers}  # one layer of each shape, checked on its own weight
             if backend == "portable":
-                check_linear(dtype, shapes, min_rows=padding, kernels=backend, device=weight.device)
+                check_linear(dtype, set(own), min_rows=padding, kernels=backend, device=weight.device)
                 continue
-            most = largest_invariant_rows(dtype, shapes, padding)
+            most = largest_invariant_rows(dtype, own, padding)
             for module in layers:
                 module.max_rows = most
         check_attention(weight.dtype, weight.device)
     return padding
 
 
-def largest_invariant_rows(dtype: torch.dtype, shapes: set[tuple[int, int]], min_rows: int) -> int:
+def largest_invariant_rows(
+    dtype: torch.dtype, shapes: Mapping[tuple[int, int], nn.Module] | set[tuple[int, int]], min_rows: int
+) -> int:
     """The largest of MAX_ROWS_TRIED whose onednn calls `check_linear` proves row-invariant on `shapes`
-    here. Raises NotInvariant, the smallest's reason, when none is."""
+    here (a mapping to packed layers checks those layers' own weights). Raises NotInvariant, the
+    smallest's reason, when none is."""
+    layers = shapes if isinstance(shapes, Mapping) else None
     for most in MAX_ROWS_TRIED[dtype]:
         try:
-            check_linear(dtype, shapes, min_rows=min_rows, max_rows=most)
+            check_linear(dtype, set(shapes), min_rows=min_rows, max_rows=most, layers=layers)
         except NotInvariant as e:
             failure = e
             continue
@@ -269,10 +275,12 @@ def largest_invariant_rows(dtype: torch.dtype, shapes: set[tuple[int, int]], min
     raise failure
 
 
-def _release_weight(module: nn.Module) -> None:
+def _release_weight(module: nn.Module, files: list[tuple[int, int]]) -> None:
     """Replaces a packed layer's own weight by a placeholder of its shape and dtype that holds one
-    element: the packed copy is the one the layer computes with, so the weights are held once."""
+    element, and gives back its pages where it was a view of the checkpoint's mapped file: the packed
+    copy is the one the layer computes with, so the weights are held once."""
     w = module.weight
+    mapped.drop_pages(w, files)
     placeholder = torch.zeros(1, dtype=w.dtype, device=w.device).expand(w.shape)
     module.weight = nn.Parameter(placeholder, requires_grad=False)
 
@@ -325,11 +333,13 @@ def check_linear(
     kernels: str = "onednn",
     device: torch.device | str = "cpu",
     max_rows: int | None = None,
+    layers: Mapping[tuple[int, int], nn.Module] | None = None,
 ) -> None:
     """Raises NotInvariant unless the backend's linear layer, in calls of at most `max_rows` rows
-    (default: ROW_POLICY's), gives rows bitwise the same result alone as among others, on random data,
+    (default: ROW_POLICY's), gives rows bitwise the same result alone as among others, on random inputs,
     for each (in_features, out_features): every row count up to 65 and some up to two calls on small
-    shapes, a few up to one call on large ones (an lm_head). About a second on CPU."""
+    shapes, a few up to one call on large ones (an lm_head). The weights are random, or, for a shape in
+    `layers`, that packed layer's own (no second copy of an lm_head at load). About a second on CPU."""
     if kernels == "onednn":
         most = max_rows or ROW_POLICY[dtype][2]
     else:
@@ -340,9 +350,13 @@ def check_linear(
     generator = torch.Generator().manual_seed(seed)
     for fan_in, fan_out in sorted(shapes):
         counts = every if fan_in * fan_out <= 4 << 20 else few
-        weight = (torch.randn(fan_out, fan_in, generator=generator) / fan_in**0.5).to(device, dtype)
         x = torch.randn(max(counts), fan_in, generator=generator).to(device, dtype)
-        linear = _linear_of(weight, kernels, min_rows, most)
+        layer = (layers or {}).get((fan_in, fan_out))
+        if kernels == "onednn" and getattr(layer, "packed", None) is not None:
+            linear = functools.partial(_packed_rows, packed=layer.packed, min_rows=min_rows, most=most)
+        else:
+            weight = torch.randn(fan_out, fan_in, generator=generator) / fan_in**0.5
+            linear = _linear_of(weight.to(device, dtype), kernels, min_rows, most)
         # Row i alone, for the first and last row of each count (all rows would cost seconds on an lm_head).
         alone = {i: linear(x[i : i + 1]) for i in {0} | {n - 1 for n in counts}}
         for n in counts:
@@ -352,6 +366,10 @@ def check_linear(
                     f"the {kernels} {dtype} linear layer is not row-invariant on this machine "
                     f"({n} rows, {fan_in} -> {fan_out})"
                 )
+
+
+def _packed_rows(rows: torch.Tensor, packed: torch.Tensor, min_rows: int | None, most: int) -> torch.Tensor:
+    return packed_linear(rows, packed, None, min_rows, most)
 
 
 def block_attention(

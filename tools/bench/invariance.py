@@ -61,7 +61,7 @@ class Plain:
     def rows(self, ids: list[list[int]], held: int) -> None:
         cache = self.cache(len(ids), held)
         self.model(input_ids=torch.tensor(ids), past_key_values=cache, use_cache=True)
-        cache.crop(held)
+        cache.crop(-len(ids[0]))
 
 
 class Invariant:

@@ -75,8 +75,8 @@ def check_pair(
     new_tokens: int = 32,
     rtt_ms: float = 20.0,
     dtype: str = "auto",
-    log: Callable[[str], None] = lambda _: None,
     kernels: str = "auto",
+    log: Callable[[str], None] = lambda _: None,
 ) -> Report:
     """Checks the pair; `prompts` default to 3 held-out chat turns (code windows where the target has
     no chat template). Raises OSError or ValueError where either side cannot be read at all."""

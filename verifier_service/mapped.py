@@ -1,0 +1,62 @@
+"""A checkpoint's pages mapped into memory, given back as soon as the tensor on them has been copied.
+
+transformers loads safetensors weights as views of the file mapped into memory. The pages of a view
+count in the process's resident memory once read, and stay mapped while any view of the file lives, so
+a load that converts each weight to another dtype, or packs it into another layout, holds the file's
+pages beside the copies: the weights twice over at the peak. `drop_pages` tells the kernel that the
+pages under a view that nothing reads any more may go (madvise DONTNEED: a read-only file mapping
+reads them from the file again if ever touched), only where the view lies in a mapped safetensors file:
+the pages of an ordinary allocation are never touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+from functools import cache
+
+import torch
+
+MADV_DONTNEED = 4
+
+
+@cache
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def mapped_files() -> list[tuple[int, int]]:
+    """The address ranges of safetensors files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        lines = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def drop_pages(tensor: torch.Tensor, files: list[tuple[int, int]]) -> int:
+    """Gives back the whole pages under `tensor` where it lies in one of `files` (`mapped_files`);
+    returns the bytes given back (0 elsewhere, or where the call fails). Call it only once nothing will
+    read the tensor again."""
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return 0
+    start = tensor.data_ptr()
+    end = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    end = min(end, start + tensor.numel() * tensor.element_size()) if tensor.is_contiguous() else end
+    if not any(lo <= start and end <= hi for lo, hi in files):
+        return 0
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first:
+        return 0
+    if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
+        return 0
+    return last - first
