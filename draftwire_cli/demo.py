@@ -9,12 +9,18 @@ from pathlib import Path
 import grpc
 
 from draftwire import cpus
-from draftwire_cli import sharing
+from draftwire_cli import configs, sharing
 from edge_client.chat import ChatConfig, chat
 from edge_client.llama_runtime import load_backends
 from edge_client.session import EdgeSession
+from verifier_service.batcher import BatchConfig
 from verifier_service.engine import TargetEngine
 from verifier_service.servicer import ServerConfig, start_server
+
+
+def _server_config() -> ServerConfig:
+    """A verifier on a free loopback port that keeps its timings of round sizes for the next demo."""
+    return ServerConfig(port=0, batch=BatchConfig(calibration_dir=configs.calibration_dir()))
 
 
 async def share_the_machine(engine: TargetEngine, draft_path: Path):
@@ -33,7 +39,7 @@ async def run_demo(engine: TargetEngine, draft_path: Path, config: ChatConfig, p
     """The terminal chat against a verifier of `engine` (the target of the pair the caller found)."""
     print(f"draftwire demo: {load_backends().summary}")
     drafter, measure_prompt, measured = await share_the_machine(engine, draft_path)
-    server, port = await start_server(engine, ServerConfig(port=0))
+    server, port = await start_server(engine, _server_config())
     address = f"127.0.0.1:{port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
     try:
@@ -52,7 +58,7 @@ async def run_web_demo(engine: TargetEngine, draft_path: Path, port: int) -> int
 
     print(f"draftwire demo: {load_backends().summary}")
     drafter, measure_prompt, measured = await share_the_machine(engine, draft_path)
-    server, grpc_port = await start_server(engine, ServerConfig(port=0))
+    server, grpc_port = await start_server(engine, _server_config())
     address = f"127.0.0.1:{grpc_port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
     try:

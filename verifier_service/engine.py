@@ -490,17 +490,19 @@ class TargetEngine:
             for key in keys:
                 self._caches.pop(key, None)
 
+    @torch.inference_mode()
     def _fill(self, key: str, tokens: list[int], generator: torch.Generator) -> None:
-        """Session `key` holding `tokens` with random keys and values (the same for the same generator
-        state and tokens' count): a long context for a check, without its prefill."""
-        config = self.model.config.get_text_config()
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        """Session `key`, which a forward has made, holding `tokens` with random keys and values of its
+        layers' own shapes (the same for the same generator state): a long context for a check, without
+        its prefill."""
         state = generator.get_state()
         cache = self._cut(key, 0)
         for layer in cache.layers:
-            shape = (1, kv_heads, len(tokens), head_dim)
-            states = [torch.randn(shape, generator=generator).to(self.device, self.model.dtype) for _ in "kv"]
+            like = layer._keys  # [1, kv_heads, capacity, head_dim] as the model made it
+            if like is None:  # a layer that keeps no cache of its own (Gemma 3n shares another's)
+                continue
+            shape = (*like.shape[:-2], len(tokens), like.shape[-1])
+            states = [torch.randn(shape, generator=generator).to(like.device, like.dtype) for _ in "kv"]
             layer.append(*states)
         cache.tokens[:] = tokens
         generator.set_state(state)

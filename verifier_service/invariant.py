@@ -81,7 +81,9 @@ PORTABLE_ROWS_ELSEWHERE = 64
 
 KEY_BLOCK = 256  # keys per block of the reduction over keys (a matrix product over 384 keys is split)
 QUERY_CHUNK = 256  # query positions per chunk of attention (bounds the scores' memory)
-MIN_QUERY_ROWS = 2  # a lone query row is padded: one row is a gemv, whose reduction differs
+# A call of few query rows is padded: MKL's product of the queries and the transposed keys gave rows of
+# 1 or 2 queries (of 8, at a head dimension of 256) other bits than the same rows among more.
+MIN_QUERY_ROWS = 16
 
 
 class NotInvariant(RuntimeError):
@@ -503,16 +505,26 @@ def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed
     1,024 keys, across several key blocks and query chunks), with grouped-query heads, and with and
     without a sliding window. About a second on CPU."""
     generator = torch.Generator().manual_seed(seed)
-    held = 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37  # 1,317 positions
-    for heads, kv_heads, dim, window in ((6, 2, 64, None), (4, 4, 32, 300)):
+    cases = (  # heads, kv heads, head dimension, window, positions held
+        (6, 2, 64, None, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),  # 1,317
+        (4, 4, 32, 300, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),
+        (4, 1, 256, 512, 40),  # Gemma 3's heads
+        (12, 2, 128, None, 40),  # Qwen2.5's
+    )
+    for heads, kv_heads, dim, window, held in cases:
         q, k, v = (
             torch.randn(1, h, held, dim, generator=generator).to(device, dtype)
             for h in (heads, kv_heads, kv_heads)
         )
         whole = block_attention(q, k, v, None, window)
-        for p in (0, 1, 4, KEY_BLOCK - 1, KEY_BLOCK, QUERY_CHUNK + 3, 1024, 1100, held - 1):
+        for p in sorted({0, 1, 4, KEY_BLOCK - 1, KEY_BLOCK, QUERY_CHUNK + 3, 1024, 1100, held - 1}):
+            if p >= held:
+                continue
             seen = slice(0, p + 1)
-            alone = block_attention(q[:, :, p : p + 1], k[:, :, seen], v[:, :, seen], None, window)
+            # Keys and values of exactly the positions seen (copies), as a short cache holds them.
+            alone = block_attention(
+                q[:, :, p : p + 1], k[:, :, seen].clone(), v[:, :, seen].clone(), None, window
+            )
             start = max(0, p - 4)
             round_ = block_attention(q[:, :, start : p + 1], k[:, :, seen], v[:, :, seen], None, window)
             if not (torch.equal(alone[0, 0], whole[0, p]) and torch.equal(alone[0, 0], round_[0, -1])):

@@ -72,6 +72,7 @@ class Invariant:
         g = torch.Generator().manual_seed(0)
         vocab = self.engine.info.vocabulary.size
         for s in range(SESSIONS):
+            self.engine.forward(f"s{s}", 0, [0], wants_logits=False)  # the session's layers, then its context
             self.engine._fill(f"s{s}", [random.Random(s).randrange(vocab) for _ in range(held)], g)
 
     def prefill(self, ids: list[int]) -> None:
