@@ -50,7 +50,7 @@ def test_every_subcommand_says_a_mistake_in_one_line(tmp_path, busy_port, closed
     target = tmp_path / "target"  # exists, holds no model: nothing gets as far as loading it
     target.mkdir()
     draft = tmp_path / "draft.gguf"
-    draft.write_bytes(b"")
+    draft.write_bytes(b"GGUF")  # a GGUF's magic, no model: the checks before loading pass it
     tokens = tmp_path / "tokens"
     tokens.write_text("alice t0k3n\n")
     missing = str(tmp_path / "missing.gguf")
