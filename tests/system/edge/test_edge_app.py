@@ -114,7 +114,6 @@ def test_chat_streams_with_usage_and_figures_in_the_last_chunks(client):
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"unknown_field": [1, 2]},  # ignored, as OpenAI ignores it
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
