@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from pathlib import Path
 
 # The CPU features that change which kernels run (llama.cpp's variants, oneDNN's ISA), by architecture.
 X86_FEATURES = (
@@ -42,18 +41,11 @@ PROBE_SHAPES = [(576, 1536), (1536, 576)]  # SmolLM2-135M's MLP, when no target 
 
 
 def cpu_report() -> dict:
-    from verifier_service.numerics import cpu_flags
+    from verifier_service.numerics import cpu_flags, cpu_model
 
     flags = cpu_flags()
     wanted = ARM_FEATURES if platform.machine() in ("aarch64", "arm64") else X86_FEATURES
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model() or platform.processor() or platform.machine()
     return {
         "model": model,
         "machine": platform.machine(),

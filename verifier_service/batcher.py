@@ -24,6 +24,7 @@ import torch
 from draftwire.aio import within
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS, Numerics, TargetInfo, bucket
 from draftwire.speculation import CostLine
+from verifier_service import numerics as numerics_
 from verifier_service.engine import Forward, PrefixCacheConfig
 from verifier_service.gamma_cap import GammaCap
 
@@ -428,22 +429,11 @@ def calibration_file(directory: str, engine: Engine, positions: int) -> Path | N
             engine.numerics.identity,
             getattr(engine, "padding", None),
             torch.get_num_threads(),
-            cpu_model(),
+            numerics_.cpu_model(),
             positions,
         )
     )
     return Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it ("" elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _read_figures(path: Path, positions: int) -> dict[int, float] | None:

@@ -112,6 +112,18 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as Linux reports it ("" elsewhere)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
 def onednn_isa(flags: frozenset[str], machine: str = "x86_64") -> str:
     """The most capable instruction set oneDNN dispatches to on a CPU with these flags."""
     if machine in ("aarch64", "arm64"):
