@@ -46,11 +46,10 @@ def drop_pages(tensor: torch.Tensor, files: list[tuple[int, int]]) -> int:
     """Gives back the whole pages under `tensor` where it lies in one of `files` (`mapped_files`);
     returns the bytes given back (0 elsewhere, or where the call fails). Call it only once nothing will
     read the tensor again."""
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
-        return 0
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return 0  # a strided view's extent is not its own: other tensors' pages may lie between
     start = tensor.data_ptr()
-    end = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
-    end = min(end, start + tensor.numel() * tensor.element_size()) if tensor.is_contiguous() else end
+    end = start + tensor.numel() * tensor.element_size()
     if not any(lo <= start and end <= hi for lo, hi in files):
         return 0
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
