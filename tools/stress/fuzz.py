@@ -245,6 +245,8 @@ class Campaign:
             f.auth_refused += 1  # past gRPC's 16 KiB limit on metadata: refused before any handler
         elif path.endswith("/Session") and expected == c.OK and self._opened:
             f.auth_admitted += 1  # opened: what follows is the session's own business
+        elif expected == c.OK and code == c.RESOURCE_EXHAUSTED and "retry after" in self._last_details:
+            f.auth_admitted += 1  # authenticated, then refused for room (a KV share, a full verifier)
         elif code == expected:
             f.auth_admitted += 1
         elif code == c.INTERNAL and self._last_details == CLIENT_RACE and expected != c.OK:
