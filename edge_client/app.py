@@ -554,7 +554,7 @@ class EdgeApp:
             try:
                 check_model_info(info, self._vocab_size())
             except UntrustedVerifier as e:
-                self.session._info = None  # asked again next time (the verifier may be replaced)
+                self.session.forget_model_info()  # asked again next time (the verifier may be replaced)
                 if log_refusal:
                     log.error("refusing the verifier %s: %s", self.config.server, e)
                 raise ApiError(
