@@ -10,21 +10,17 @@ import statistics
 import pytest
 
 from draftwire.contract import ModelInfo
-from draftwire.speculation import BesideFit
-from edge_client.adaptive import (
-    CostLine,
+from draftwire.speculation import BesideFit, CostLine, expected_tokens
+from edge_client.adaptive import Tuner, TunerConfig, path_rounds
+from edge_client.planner import GenerationRequest, Planner
+from edge_client.speed_model import (
     Costs,
     Estimates,
-    Tuner,
-    TunerConfig,
     beside_share,
     best_setting,
-    expected_tokens,
     off_tokens_per_second,
-    path_rounds,
     tokens_per_second,
 )
-from edge_client.planner import GenerationRequest, Planner
 from tools.testkit import timeline
 from tools.testkit.fakes import FakeVerifier, MistakenDrafter, drive, fake_info, target_continuation
 
