@@ -122,7 +122,7 @@ def verifier_report(probe: bool, problems: list[str]) -> dict:
 
 def _probe_shapes() -> list[tuple[int, int]]:
     """The installed SmolLM2 target's MLP shapes, else SmolLM2-135M's."""
-    from tools.models import smollm2
+    from draftwire_cli.models import smollm2
 
     config = smollm2.default_dir() / smollm2.TARGET / "config.json"
     try:
@@ -137,9 +137,9 @@ def _probe_shapes() -> list[tuple[int, int]]:
 
 def models_report(problems: list[str]) -> dict:
     """The fetched pairs: SmolLM2 (the default; a problem when missing) and the optional ones of
-    tools/models/pairs.py."""
-    from tools.models import chunks, smollm2
-    from tools.models.pairs import PAIRS
+    draftwire_cli/models/pairs.py."""
+    from draftwire_cli.models import chunks, smollm2
+    from draftwire_cli.models.pairs import PAIRS
 
     directory = smollm2.default_dir()
     fetched = smollm2.is_fetched(directory)

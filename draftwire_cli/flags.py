@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tools.cliargs import id_list
+from draftwire_cli.cliargs import id_list
 
 # γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
 # the SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.

@@ -3,46 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from draftwire import jsonout
 from draftwire_cli import configs
 from draftwire_cli.flags import UserError
+from draftwire_cli.models.pairs import PAIRS
 from draftwire_cli.serving import load_target
-from tools.models.pairs import PAIRS
 
 
-def bench(args) -> int:
-    from tools.bench.arms import BenchConfig
-    from tools.bench.speed import run_all, write_outputs
-
-    config = BenchConfig.from_args(
-        args, delay_gamma=args.delay_gamma, pipelines=args.pipelines, verifier_threads=args.verifier_threads
+def bench(argv: list[str]) -> int:
+    """`draftwire bench ARGS`: the checkout's tools/bench/speed.py (the benches are not in the wheel)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tools" / "bench" / "speed.py").is_file():
+        raise UserError("bench needs a checkout of draftwire (git clone, then pip install -e .)")
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.call(
+        [sys.executable, "-m", "tools.bench.speed", *argv], env={**os.environ, "PYTHONPATH": path}
     )
-    report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
-    print(write_outputs(report, args.out))
-    return 0 if all(report["exact"].values()) else 1
 
 
 def models(args) -> int:
     if args.models_command == "check":
         return _models_check(args)
     if args.models_command == "fetch" and args.name in PAIRS:
-        from tools.models import chunks
+        from draftwire_cli.models import chunks
 
         if args.card:
             raise UserError(f"--card measures smollm2 only; docs/benchmarks.md has {args.name}'s figures")
         chunks.fetch(PAIRS[args.name], args.out, force=args.force)
         return 0
     if args.models_command == "fetch":
-        from tools.models import smollm2, smollm2_card
+        from draftwire_cli.models import smollm2, smollm2_card
 
         directory = smollm2.fetch(args.out or smollm2.default_dir(), force=args.force)
         if args.card:
             smollm2_card.write_card(directory)
         return 0
-    from tools.models.demopair.build import STAGES, build
-    from tools.models.demopair.files import DEFAULT_OUT
+    from draftwire_cli.models.demopair.build import STAGES, build
+    from draftwire_cli.models.demopair.files import DEFAULT_OUT
 
     card = build(args.out or DEFAULT_OUT, tuple(args.stage or STAGES), quick=args.quick)
     print(f"draftwire: model pair built; card at {card}")
@@ -50,7 +52,7 @@ def models(args) -> int:
 
 
 def _models_check(args) -> int:
-    from tools.models.check import as_json, check_pair
+    from draftwire_cli.models.check import as_json, check_pair
 
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if not path.exists():
@@ -77,7 +79,7 @@ def demo(args) -> int:
     if args.web:  # said at once, not after the models load
         ports.check_free("127.0.0.1", args.port)
     from draftwire_cli.demo import run_demo, run_web_demo
-    from tools.models.find import find_pair
+    from draftwire_cli.models.find import find_pair
 
     try:
         target_dir, draft_path = find_pair(args.models)

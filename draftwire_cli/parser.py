@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from draftwire import wire
+from draftwire_cli.cliargs import add_target_numerics
 from draftwire_cli.flags import (
     GAMMA,
     PIPELINE,
@@ -32,10 +33,8 @@ from draftwire_cli.flags import (
     positive,
     seconds,
     server_address,
-    temperature,
 )
-from tools.cliargs import add_target_numerics, id_list, rig
-from tools.models.pairs import PAIRS
+from draftwire_cli.models.pairs import PAIRS
 
 DESCRIPTION = "The `draftwire` command: serve, generate, reference, chat, edge, demo and the rest."
 
@@ -234,36 +233,12 @@ def _edge(sub) -> None:
 
 
 def _bench(sub) -> None:
-    p = sub.add_parser(
-        "bench", help="draftwire against the target alone and assisted generation, side by side"
+    # Listed for --help only: main() hands `draftwire bench ...` to the checkout's tools/bench/speed.py.
+    sub.add_parser(
+        "bench",
+        help="draftwire against the target alone and assisted generation, side by side (from a checkout: "
+        "runs tools/bench/speed.py; `draftwire bench --help` tells its flags)",
     )
-    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
-    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
-    p.add_argument("--draft-hf", type=Path, help="the draft's transformers form, for assisted generation")
-    p.add_argument("--prompts", type=positive, default=20, help="held-out prompts")
-    p.add_argument("--prompt-tokens", type=positive, default=48, help="length of the code prompts")
-    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
-    p.add_argument("--max-new-tokens", type=positive, default=64, help="tokens each run generates")
-    p.add_argument(
-        "--gammas", type=id_list, default=(1, 2, 4, 6, 8), help="the fixed γ of the draftwire runs"
-    )
-    p.add_argument("--rtts", type=id_list, default=(10, 30, 80), help="round-trip times in ms")
-    p.add_argument("--delay-gamma", type=gamma, default=4, help="gamma of the delayed runs")
-    p.add_argument(
-        "--pipelines", type=id_list, default=(0, 2), help="pipeline depths of every draftwire run (0: none)"
-    )
-    p.add_argument("--draft-threads", type=positive, default=1, help="llama.cpp threads of the draft")
-    p.add_argument("--verifier-threads", type=count, default=0, help="torch threads of the verifier (0: all)")
-    p.add_argument(
-        "--two-device",
-        metavar="EDGE_CPUS:VERIFIER_CPUS",
-        type=rig,
-        default=((), ()),
-        help="pin the edge and the verifier (and the target-alone arms) to separate cores, e.g. 0:1",
-    )
-    p.add_argument("--temperature", type=temperature, default=0.7, help="of the seeded sampled runs")
-    add_target_numerics(p)
-    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
 
 
 def _models(sub) -> None:

@@ -184,8 +184,8 @@ def _serve_pool(args, server) -> int:
 
 
 def loadtest(args) -> int:
+    from draftwire_cli.loadtest import LoadConfig, report_text, run_load
     from edge_client.session import VerifierError
-    from tools.loadtest import LoadConfig, report_text, run_load
 
     config = LoadConfig(
         sessions=args.sessions,

@@ -24,10 +24,10 @@ def dtype_params(*dtypes):
 
 
 def fetched(name: str):
-    """The directory of a pair `draftwire models fetch NAME` assembles (tools/models/pairs.py). Skips
+    """The directory of a pair `draftwire models fetch NAME` assembles (draftwire_cli/models/pairs.py). Skips
     where it has not been fetched; fails instead where DRAFTWIRE_FETCHED=required (CI fetches them)."""
-    from tools.models import chunks
-    from tools.models.pairs import PAIRS
+    from draftwire_cli.models import chunks
+    from draftwire_cli.models.pairs import PAIRS
 
     pair = PAIRS[name]
     directory = chunks.default_dir(pair)

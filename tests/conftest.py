@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
-from tools.models.kit import TestPair, build_test_pair  # noqa: E402
+from draftwire_cli.models.kit import TestPair, build_test_pair  # noqa: E402
 from tools.rig.serverproc import ServerProcess  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def smollm2_pair():
     """The SmolLM2 pair in its default place (install.sh fetched it; fetching again is a no-op)."""
     import importlib.metadata
 
-    from tools.models import smollm2
+    from draftwire_cli.models import smollm2
 
     try:
         importlib.metadata.distribution(smollm2.PACKAGE)

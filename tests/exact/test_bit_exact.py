@@ -22,11 +22,11 @@ import torch
 
 from draftwire import wire
 from draftwire.contract import SamplingParams, SessionSpec
+from draftwire_cli.models import smollm2
+from draftwire_cli.models.prompts import chat_prompts
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import EXACT_DTYPE
-from tools.models import smollm2
-from tools.models.prompts import chat_prompts
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.oracle import cached_references
 from verifier_service import invariant

@@ -24,9 +24,9 @@ from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingPar
 from draftwire.grammar import JSON_OPTIONS, compile_constraint
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire_cli.models.demopair.files import DEFAULT_OUT, PairFiles
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.models.demopair.files import DEFAULT_OUT, PairFiles
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests as speculate
 from verifier_service.engine import TargetEngine

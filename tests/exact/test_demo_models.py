@@ -7,11 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftwire_cli.models.demopair.card import (
+    GGUF_KINDS,
+    STALENESS_POSITIONS,
+    gguf_agreement,
+    target_argmax_and_loss,
+)
+from draftwire_cli.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
+from draftwire_cli.models.demopair.files import DEFAULT_OUT, PairFiles
+from draftwire_cli.models.find import DEMO_DRAFT
 from edge_client.llama_runtime import Llama
-from tools.models.demopair.card import GGUF_KINDS, STALENESS_POSITIONS, gguf_agreement, target_argmax_and_loss
-from tools.models.demopair.corpus import CHAT_TEMPLATE, WINDOW, corpus_files, heldout_windows
-from tools.models.demopair.files import DEFAULT_OUT, PairFiles
-from tools.models.find import DEMO_DRAFT
 from tools.rig.serverproc import DRAFTWIRE
 
 FILES = PairFiles(DEFAULT_OUT)

@@ -22,9 +22,9 @@ from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.rules import adjusted_logits, choose_tokens
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire_cli.models.kit import stdlib_texts
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.models.kit import stdlib_texts
 from tools.rig.serverproc import DRAFTWIRE
 from tools.testkit.edge import run_requests as speculate
 from tools.testkit.oracle import cached_references, transformers_greedy

@@ -17,12 +17,12 @@ import json
 import pytest
 
 from draftwire.contract import SamplingParams, SessionSpec
+from draftwire_cli.models import chunks
+from draftwire_cli.models.kit import stdlib_texts
+from draftwire_cli.models.pairs import GEMMA
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import GenerationRequest
 from tests.capability import fetched
-from tools.models import chunks
-from tools.models.kit import stdlib_texts
-from tools.models.pairs import GEMMA
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests
 from tools.testkit.oracle import transformers_greedy

@@ -5,9 +5,9 @@ sessions, in float32 and bfloat16; and the plain path is not (so these tests are
 import pytest
 import torch
 
+from draftwire_cli.models import smollm2
+from draftwire_cli.models.prompts import chat_turns
 from tests.capability import dtype_params, needs_bf16
-from tools.models import smollm2
-from tools.models.prompts import chat_turns
 from verifier_service import invariant
 from verifier_service.engine import Forward, TargetEngine
 

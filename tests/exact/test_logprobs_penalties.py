@@ -22,10 +22,10 @@ from transformers import (
 
 from draftwire import wire
 from draftwire.contract import Drafting, SamplingParams, SessionSpec
+from draftwire_cli.models import smollm2
+from draftwire_cli.models.prompts import chat_turns, heldout_prompts
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.models import smollm2
-from tools.models.prompts import chat_turns, heldout_prompts
 from tools.rig.serverproc import ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode

@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf import GGUFReader
 
+from draftwire_cli.models import kit as modelkit
+from draftwire_cli.models.kit import TestPair, build_test_pair, stdlib_texts
 from edge_client.llama_runtime import Llama
-from tools.models import kit as modelkit
-from tools.models.kit import TestPair, build_test_pair, stdlib_texts
 
 # Text the tokenizer never saw: build_test_pair trains on the first 400k characters of the same files.
 _HELD_OUT = "".join(stdlib_texts(8000, skip_chars=1_000_000))

@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from draftwire.contract import Drafting, SamplingParams
+from draftwire_cli.models import chunks
+from draftwire_cli.models.pairs import QWEN
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import fetched
-from tools.models import chunks
-from tools.models.pairs import QWEN
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests
 from tools.testkit.oracle import transformers_greedy

@@ -10,10 +10,10 @@ to be loosened: bit-exact verification is where that is fixed.
 import pytest
 
 from draftwire.contract import SamplingParams, SessionSpec
+from draftwire_cli.models import smollm2
+from draftwire_cli.models.prompts import chat_turns
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import GenerationRequest
-from tools.models import smollm2
-from tools.models.prompts import chat_turns
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests
 from tools.testkit.oracle import cached_references, transformers_greedy

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from draftwire.vocab import vocabulary_from_hf, vocabulary_from_llama
+from draftwire_cli.models import smollm2, smollm2_card
 from edge_client.llama_runtime import Llama
-from tools.models import smollm2, smollm2_card
 
 try:
     importlib.metadata.distribution(smollm2.PACKAGE)

@@ -13,9 +13,9 @@ import pytest
 from draftwire.contract import Drafting, SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire_cli.models.prompts import heldout_prompts
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
-from tools.models.prompts import heldout_prompts
 from tools.rig.serverproc import DRAFTWIRE, ServerProcess
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode

@@ -10,6 +10,7 @@ from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import vocabulary_from_llama
+from draftwire_cli.models.kit import llama_cpp_source_dir
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.llama_runtime import Llama
 from edge_client.session import EdgeSession, GenerationRequest, VerifierError
@@ -24,7 +25,6 @@ from tests.bad_input_cases import (
     proposal,
     refused,
 )
-from tools.models.kit import llama_cpp_source_dir
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from draftwire_cli.models.prompts import heldout_prompts
 from tools.bench import capacity
-from tools.models.prompts import heldout_prompts
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
@@ -71,7 +71,7 @@ def test_capacity_benchmark_figures_agree(tmp_path):
 def test_prompt_set_option_picks_the_code_turns():
     """`--prompt-set code` runs the held-out code turns, rendered with the target's chat template;
     `--arms ab` leaves the edge arm (and its draft recording) out."""
-    from tools.models.prompts import CODE_PROMPTS, code_prompts, prompt_set
+    from draftwire_cli.models.prompts import CODE_PROMPTS, code_prompts, prompt_set
 
     args = ["--target", str(DEMO / "target"), "--prompt-set", "code", "--prompts", "3", "--arms", "ab"]
     config = capacity.config_from_args(capacity.parser().parse_args(args))

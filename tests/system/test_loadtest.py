@@ -9,7 +9,7 @@ import pytest
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.loadtest import report_text
+from draftwire_cli.loadtest import report_text
 from tools.rig.serverproc import DRAFTWIRE, ServerProcess
 
 pytest.importorskip("ray")

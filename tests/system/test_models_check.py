@@ -6,8 +6,8 @@ import subprocess
 import pytest
 
 from draftwire import cpus
+from draftwire_cli.models.check import check_pair
 from tests.exact.test_vocab import VOCABS
-from tools.models.check import check_pair
 from tools.rig.serverproc import DRAFTWIRE
 
 

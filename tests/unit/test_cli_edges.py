@@ -57,7 +57,7 @@ def test_a_draft_that_is_not_gguf_is_named_before_anything_loads(tmp_path):
 
 
 def test_demo_models_names_a_missing_directory_as_such(tmp_path):
-    from tools.models.find import find_pair
+    from draftwire_cli.models.find import find_pair
 
     with pytest.raises(FileNotFoundError, match="no such directory") as e:
         find_pair(tmp_path / "nonexistent")

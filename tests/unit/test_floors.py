@@ -1,7 +1,8 @@
 """The house's floors, read from the source: imports run one way only, and the core stays pure.
 
-draftwire_cli/              the `draftwire` command (its commands, demo, doctor, top)
-tools/                      benches, load test, fuzz, soak, model fetching and building, test kits
+tools/                      benches, rigs, fuzz, soak, test kits: run from a checkout, never shipped
+draftwire_cli/              the `draftwire` command (its commands, demo, doctor, top, the load test,
+                            model fetching, checking and building)
 cluster/                    the Ray pool, above the verifier
 edge_client/  verifier_service/   side by side, never importing each other
 draftwire/                  the shared core (contract, rules, vocab) and the wire
@@ -26,8 +27,9 @@ ALLOWED = {
     "edge_client": {"draftwire"},
     "verifier_service": {"draftwire"},
     "cluster": {"draftwire", "verifier_service"},
-    "tools": {"draftwire", "edge_client", "verifier_service", "cluster"},
-    "draftwire_cli": {"draftwire", "edge_client", "verifier_service", "cluster", "tools"},
+    "tools": {"draftwire", "edge_client", "verifier_service", "cluster", "draftwire_cli"},
+    # The product never imports tools/: `draftwire bench` runs the checkout's bench as a child process.
+    "draftwire_cli": {"draftwire", "edge_client", "verifier_service", "cluster"},
 }
 # Third-party packages a module must not import, even lazily.
 FORBIDDEN = {
@@ -60,18 +62,13 @@ NOT_BELOW = {
     "cluster/front.py": {"verifier_service.servicer", "verifier_service.stream", "verifier_service.session"},
     "edge_client/planner.py": {"edge_client.session", "edge_client.app"},
 }
-# Inside tools/: what each kit may import of the others. The rig is the ground floor, models stands on
-# it, the load test on models, the benches on all three; the test and stress kits (not in the wheel) on
-# anything, and nothing shipped stands on them.
+# Inside tools/: what each kit may import of the others. The rig is the ground floor, the benches and
+# the test kit stand on it, the stress kit on all three.
 TOOLS_ALLOWED = {
     "rig": set(),
-    "cliargs": set(),
-    "figures": set(),
-    "models": {"rig"},
-    "loadtest": {"models", "rig", "figures"},
-    "bench": {"models", "rig", "loadtest", "figures", "cliargs"},
-    "testkit": {"models", "rig"},
-    "stress": {"models", "rig", "loadtest", "figures", "cliargs", "bench", "testkit"},
+    "bench": {"rig"},
+    "testkit": {"rig"},
+    "stress": {"rig", "bench", "testkit"},
 }
 PRODUCT = ("draftwire", "edge_client", "verifier_service", "cluster", "draftwire_cli")
 MAX_FUNCTION_LINES = 60

@@ -482,7 +482,7 @@ def _by_point(rows: list[dict], value) -> dict[tuple[float, str], dict]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from tools.cliargs import id_list
+    from draftwire_cli.cliargs import id_list
 
     p = argparse.ArgumentParser(prog="python -m tools.bench.adaptive", description=__doc__)
     add_pair_flags(p, temperature=0.7)

@@ -17,8 +17,8 @@ def add_pair_flags(p: argparse.ArgumentParser, temperature: float) -> None:
     """The flags of a bench over one pair on the two-device rig, which BenchConfig.from_args reads
     (besides --gammas and --rtts, each bench's own): the pair, the prompts, the rig, the sampled mode's
     temperature (`temperature` its default) and the target's numerics."""
-    from tools.cliargs import add_target_numerics, rig
-    from tools.models.prompts import PROMPT_SETS
+    from draftwire_cli.cliargs import add_target_numerics, rig
+    from draftwire_cli.models.prompts import PROMPT_SETS
 
     p.add_argument("--target", type=Path, required=True, help="transformers target directory")
     p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
@@ -28,7 +28,7 @@ def add_pair_flags(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument(
         "--prompt-set",
         choices=PROMPT_SETS,
-        help="a class of held-out turns for a chat target (tools.models.prompts), instead of --chat",
+        help="a class of held-out turns for a chat target (draftwire_cli.models.prompts), instead of --chat",
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads of the draft")
@@ -74,7 +74,7 @@ class BenchConfig:
         """From the flags every bench takes (--target, --draft, --prompts, --chat, --prompt-tokens,
         --max-new-tokens, --gammas, --rtts, --draft-threads, --two-device, --temperature, --dtype,
         --no-bit-exact, and --draft-hf where it has one); `fields` set the rest."""
-        from tools.models.prompts import chat_prompts, heldout_prompts, prompt_set
+        from draftwire_cli.models.prompts import chat_prompts, heldout_prompts, prompt_set
 
         if getattr(args, "prompt_set", None):
             prompts = prompt_set(args.prompt_set, args.target, args.prompts)

@@ -24,9 +24,9 @@ import grpc
 from draftwire.contract import SessionSpec
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire_cli.models.prompts import id_prompts
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.models.prompts import id_prompts
 from tools.rig.serverproc import ServerProcess
 from verifier_service.batcher import Batcher
 from verifier_service.engine import TargetEngine

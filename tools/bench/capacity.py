@@ -20,7 +20,7 @@ keeps no finished session's cache (--prefix-cache-mb 0), so no prompt is prefill
     python -m tools.bench.capacity [--sessions 1,4,16,32] [--new-tokens 64] [--out docs/capacity]
         [--prompt-set chat|code] [--arms abc]
 
-`--prompt-set code`: held-out code turns (write, complete, rewrite given code; tools.models.prompts)
+`--prompt-set code`: held-out code turns (write, complete, rewrite given code; draftwire_cli.models.prompts)
 instead of the chat turns; `--arms ab`: the thin arms alone (no draft is recorded or run).
 """
 
@@ -41,10 +41,10 @@ from draftwire.contract import Drafting, SamplingParams
 from draftwire.ngram import RULE as NGRAM_RULE
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire_cli.figures import percentile
+from draftwire_cli.models.prompts import PROMPT_SETS, prompt_set
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench import ngram_replay
-from tools.figures import percentile
-from tools.models.prompts import PROMPT_SETS, prompt_set
 from tools.rig import devices
 
 
@@ -67,7 +67,7 @@ class CapacityConfig:
     invariant: bool = True  # bit-exact kernels (serve's default); False: --no-bit-exact
     gamma_cap: bool = True  # the replica's γ cap under load (serve's default); False: --no-gamma-cap
     arms: str = "abc"  # which arms run (see ARMS); without c no draft is recorded
-    prompt_set: str = "chat"  # what `prompts` are (tools.models.prompts.PROMPT_SETS), for the report
+    prompt_set: str = "chat"  # what `prompts` are (draftwire_cli.models.prompts.PROMPT_SETS), for the report
 
 
 ARMS = {
@@ -444,7 +444,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from tools.models import smollm2
+    from draftwire_cli.models import smollm2
 
     home = smollm2.default_dir()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from draftwire import wire
 from draftwire.contract import SamplingParams
+from draftwire_cli.models import smollm2
+from draftwire_cli.models.prompts import chat_prompts
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.models import smollm2
-from tools.models.prompts import chat_prompts
 from tools.rig.serverproc import ServerProcess
 
 PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)

@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.models.prompts import id_prompts
+from draftwire_cli.models.prompts import id_prompts
 from verifier_service.engine import Forward, TargetEngine
 
 

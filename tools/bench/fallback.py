@@ -22,11 +22,11 @@ import json
 import sys
 from pathlib import Path
 
+from draftwire_cli.cliargs import id_list
 from edge_client.adaptive import TunerConfig
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from tools.bench.adaptive import interleaved
 from tools.bench.arms import BenchConfig, add_pair_flags, route
-from tools.cliargs import id_list
 from tools.rig import devices
 from tools.rig.wrongdraft import WrongDrafter
 

@@ -66,7 +66,7 @@ def _has_taskset() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.models import smollm2
+    from draftwire_cli.models import smollm2
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default=str(smollm2.draft_path(smollm2.default_dir())))

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tools.models.prompts import prompt_set
+from draftwire_cli.models.prompts import prompt_set
 
 
 def replay(prompt, output, max_gamma: int, rule=None) -> dict:
@@ -117,7 +117,7 @@ def breakdown_of_report(path: Path, target: Path, rules=None) -> list[dict]:
     from transformers import AutoConfig, AutoTokenizer
 
     from draftwire.ngram import ANY_1GRAM, RULE, NgramRule
-    from tools.models.prompts import CODE_PROMPT_KINDS
+    from draftwire_cli.models.prompts import CODE_PROMPT_KINDS
 
     report = json.loads(path.read_text())
     name = report["config"].get("prompt_set", "chat")

@@ -2,7 +2,7 @@
 
 One invocation, one target, the same proposals: `draftwire serve` and `draftwire serve --ray
 --replicas 1` run side by side as child processes; sessions run one at a time, alternating between
-the two, with replayed drafts (tools.loadtest), and both must commit the same tokens. Then the raw
+the two, with replayed drafts (draftwire_cli.loadtest), and both must commit the same tokens. Then the raw
 transports: a grpc.aio bidirectional-stream round trip on loopback and a Ray actor call.
 
     python -m tools.bench.pool --target DIR [--generations 24] [--new-tokens 32] [--json FILE]
@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
+from draftwire_cli.loadtest import LoadConfig, record
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.loadtest import LoadConfig, record
 from tools.rig.serverproc import ServerProcess
 
 SERVICE = "draftwire.v1.Verifier"

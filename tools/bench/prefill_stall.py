@@ -44,7 +44,7 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.figures import percentile
+from draftwire_cli.figures import percentile
 from tools.rig.serverproc import ServerProcess
 from verifier_service.grpc_kit import SERVICE
 

@@ -1,4 +1,5 @@
 """`draftwire bench`: draftwire against the target alone and transformers' own speculation, one run.
+Run from a checkout: `draftwire bench ...` runs `python -m tools.bench.speed ...`.
 
 Arms, on the same prompts and models: (a) the target alone through our engine, one token per forward;
 (b) transformers' `generate` with assisted generation (the draft's transformers form) and with
@@ -12,9 +13,12 @@ not share cores.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import json
 import statistics
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,11 +26,13 @@ import grpc
 
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
+from draftwire_cli.cliargs import add_target_numerics, id_list, rig
+from draftwire_cli.figures import percentile
+from draftwire_cli.flags import count, gamma, positive, temperature
 from edge_client.adaptive import Costs, Estimates, path_rounds, tokens_per_second
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
 from tools.bench.arms import BenchConfig, Row, params_for, route
-from tools.figures import percentile
 from tools.rig import devices
 
 
@@ -403,3 +409,49 @@ def write_outputs(report: dict, out_dir: Path) -> str:
     table = markdown(report)
     (out_dir / "bench.md").write_text(table + "\n")
     return table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, required=True, help="transformers target directory")
+    p.add_argument("--draft", type=Path, required=True, help="GGUF draft for the edge")
+    p.add_argument("--draft-hf", type=Path, help="the draft's transformers form, for assisted generation")
+    p.add_argument("--prompts", type=positive, default=20, help="held-out prompts")
+    p.add_argument("--prompt-tokens", type=positive, default=48, help="length of the code prompts")
+    p.add_argument("--chat", action="store_true", help="held-out chat turns instead of code (a chat target)")
+    p.add_argument("--max-new-tokens", type=positive, default=64, help="tokens each run generates")
+    p.add_argument(
+        "--gammas", type=id_list, default=(1, 2, 4, 6, 8), help="the fixed γ of the draftwire runs"
+    )
+    p.add_argument("--rtts", type=id_list, default=(10, 30, 80), help="round-trip times in ms")
+    p.add_argument("--delay-gamma", type=gamma, default=4, help="gamma of the delayed runs")
+    p.add_argument(
+        "--pipelines", type=id_list, default=(0, 2), help="pipeline depths of every draftwire run (0: none)"
+    )
+    p.add_argument("--draft-threads", type=positive, default=1, help="llama.cpp threads of the draft")
+    p.add_argument("--verifier-threads", type=count, default=0, help="torch threads of the verifier (0: all)")
+    p.add_argument(
+        "--two-device",
+        metavar="EDGE_CPUS:VERIFIER_CPUS",
+        type=rig,
+        default=((), ()),
+        help="pin the edge and the verifier (and the target-alone arms) to separate cores, e.g. 0:1",
+    )
+    p.add_argument("--temperature", type=temperature, default=0.7, help="of the seeded sampled runs")
+    add_target_numerics(p)
+    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="bench.json, bench.md, bench.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="draftwire bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    config = BenchConfig.from_args(
+        args, delay_gamma=args.delay_gamma, pipelines=args.pipelines, verifier_threads=args.verifier_threads
+    )
+    report = asyncio.run(run_all(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    print(write_outputs(report, args.out))
+    return 0 if all(report["exact"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

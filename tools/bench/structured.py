@@ -26,10 +26,10 @@ from pathlib import Path
 from draftwire import wire
 from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams
 from draftwire.grammar import compile_constraint
+from draftwire_cli.models import smollm2
+from draftwire_cli.models.prompts import chat_prompts
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from tools.models import smollm2
-from tools.models.prompts import chat_prompts
 from tools.rig.serverproc import ServerProcess
 
 SCHEMA = {

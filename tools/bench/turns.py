@@ -16,8 +16,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from tools.models.find import find_pair
-from tools.models.smollm2_card import CARD_PROMPTS
+from draftwire_cli.models.find import find_pair
+from draftwire_cli.models.smollm2_card import CARD_PROMPTS
 from tools.rig.serverproc import EdgeProcess, ServerProcess
 
 TURNS = 5

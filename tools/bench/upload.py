@@ -214,8 +214,8 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.models import smollm2
-    from tools.models.prompts import PROMPT_SETS, prompt_set
+    from draftwire_cli.models import smollm2
+    from draftwire_cli.models.prompts import PROMPT_SETS, prompt_set
 
     home = smollm2.default_dir()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

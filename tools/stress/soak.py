@@ -29,7 +29,7 @@ import grpc
 from draftwire import wire
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
-from tools.loadtest import report_text
+from draftwire_cli.loadtest import report_text
 from tools.rig.certs import make_certs
 from tools.rig.serverproc import DRAFTWIRE, ServerProcess, blocking_channel
 

@@ -19,7 +19,7 @@ def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[in
     held-out files are too short for that many."""
     from transformers import AutoTokenizer
 
-    from tools.models.demopair.corpus import WINDOW, heldout_windows
+    from draftwire_cli.models.demopair.corpus import WINDOW, heldout_windows
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     windows = heldout_windows(tokenizer, count, max(tokens, WINDOW))
@@ -31,7 +31,7 @@ def heldout_prompts(target_dir: Path, count: int, tokens: int) -> tuple[tuple[in
 def chat_prompts(target_dir: Path, count: int) -> tuple[tuple[int, ...], ...]:
     """`count` held-out chat turns (the SmolLM2 card's questions) rendered with the target's chat
     template, generation prompt included. Raises ValueError when there are fewer than that."""
-    from tools.models.smollm2_card import CARD_PROMPTS
+    from draftwire_cli.models.smollm2_card import CARD_PROMPTS
 
     if count > len(CARD_PROMPTS):
         raise ValueError(f"{len(CARD_PROMPTS)} held-out chat prompts, not {count}")
@@ -43,7 +43,7 @@ def chat_turns(target_dir: Path, questions) -> tuple[tuple[int, ...], ...]:
     included."""
     from transformers import AutoTokenizer
 
-    from tools.models.fromgguf import chat_ids
+    from draftwire_cli.models.fromgguf import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return tuple(tuple(chat_ids(tokenizer, q)) for q in questions)
@@ -123,7 +123,7 @@ def prompt_set(name: str, target_dir: Path, count: int | None = None) -> tuple[t
     """The held-out chat turns ('chat', 24), code turns ('code', 16) or verse turns ('haiku', 6) for a
     chat target, rendered with its template: the first `count`, all of them when None. Raises
     ValueError for another name, or a count past the set's."""
-    from tools.models.smollm2_card import CARD_PROMPTS
+    from draftwire_cli.models.smollm2_card import CARD_PROMPTS
 
     texts = {"chat": CARD_PROMPTS, "code": CODE_PROMPTS, "haiku": HAIKU_PROMPTS}
     if name not in texts:

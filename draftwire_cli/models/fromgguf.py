@@ -1,6 +1,6 @@
 """From a GGUF file to the parts of a pair: a transformers target written from its tensors, drafts
 requantized by llama.cpp, and the small file and loader helpers the model fetchers share
-(tools/models/smollm2.py, tools/models/chunks.py)."""
+(draftwire_cli/models/smollm2.py, draftwire_cli/models/chunks.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.models.demopair.files import PairFiles
+from draftwire_cli.models.demopair.files import PairFiles
 
 # Which draft of a pair the demo runs, the first that the pair has: SmolLM2's shipped Q4_1 file, the demo
 # pair's q8_0 (chosen by their cards' acceptance and speed).
@@ -15,11 +15,11 @@ DEMO_DRAFT = "q8_0"  # the committed demo pair's
 
 def find_pair(models: Path | None) -> tuple[Path, Path]:
     """(target directory, draft GGUF) of a pair directory, or of a fetched pair named by `draftwire
-    models fetch NAME` (`smollm2`, the default; tools/models/pairs.py's); `models/demo` is the committed
-    small pair. The draft is the first of DRAFT_PREFERENCE the pair has, else its only `draft-*.gguf`. Raises
-    FileNotFoundError naming the command that makes the pair."""
-    from tools.models import chunks, smollm2
-    from tools.models.pairs import PAIRS
+    models fetch NAME` (`smollm2`, the default; draftwire_cli/models/pairs.py's); `models/demo` is the
+    committed small pair. The draft is the first of DRAFT_PREFERENCE the pair has, else its only
+    `draft-*.gguf`. Raises FileNotFoundError naming the command that makes the pair."""
+    from draftwire_cli.models import chunks, smollm2
+    from draftwire_cli.models.pairs import PAIRS
 
     fetched = {"smollm2": smollm2.default_dir(), **{n: chunks.default_dir(p) for n, p in PAIRS.items()}}
     name = "smollm2" if models is None else str(models)

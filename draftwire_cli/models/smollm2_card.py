@@ -1,4 +1,4 @@
-"""SmolLM2's model card: the fetched pair (tools/models/smollm2.py) measured, agreement, costs and the
+"""SmolLM2's model card: the fetched pair (draftwire_cli/models/smollm2.py) measured, agreement, costs and the
 acceptance of `draftwire serve` and `generate` run as a user runs them, into DIR/card.json and
 DIR/model_card.md (`draftwire models card smollm2`, minutes)."""
 
@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from tools.models.fromgguf import (
+from draftwire_cli.models.fromgguf import (
     chat_ids,
     no_progress_bars,
 )
-from tools.models.smollm2 import (
+from draftwire_cli.models.smollm2 import (
     CARD_JSON,
     CARD_MD,
     DRAFT_KINDS,
@@ -396,11 +396,11 @@ def render_card(card: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tools.models.smollm2_card [--out DIR]`: the card of a fetched pair (what
+    """`python -m draftwire_cli.models.smollm2_card [--out DIR]`: the card of a fetched pair (what
     `draftwire models fetch smollm2 --card` runs after the fetch)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tools.models.smollm2_card")
+    parser = argparse.ArgumentParser(prog="python -m draftwire_cli.models.smollm2_card")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--acceptance-prompts", type=int, default=6)
     args = parser.parse_args(argv)

@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tools.models.demopair.card import write_card
-from tools.models.demopair.corpus import (
+from draftwire_cli.models.demopair.card import write_card
+from draftwire_cli.models.demopair.corpus import (
     CHAT_TEMPLATE,
     ROLE_TOKENS,
     chat_messages,
     chat_pairs,
     corpus_files,
 )
-from tools.models.demopair.files import PairFiles
-from tools.models.demopair.train import (
+from draftwire_cli.models.demopair.files import PairFiles
+from draftwire_cli.models.demopair.train import (
     Shape,
     TokenData,
     TrainConfig,
@@ -36,7 +36,7 @@ from tools.models.demopair.train import (
     target_continuations,
     train_target,
 )
-from tools.models.kit import export_gguf, quantize_gguf, train_bpe_tokenizer
+from draftwire_cli.models.kit import export_gguf, quantize_gguf, train_bpe_tokenizer
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 `fetch` writes DIR/target (transformers, float32, dequantized exactly from the shipped Q4_1 file), the
 shipped file as DIR/draft-q4_1.gguf, and drafts of other costs requantized by llama.cpp;
-tools/models/smollm2_card.py measures them (minutes) into DIR/card.json and DIR/model_card.md.
+draftwire_cli/models/smollm2_card.py measures them (minutes) into DIR/card.json and DIR/model_card.md.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from tools.models.fromgguf import (
+from draftwire_cli.models.fromgguf import (
     copy_file,
     file_records,
     files_present,
