@@ -92,7 +92,7 @@ def load_target(args):
     there are no bit-exact kernels for it."""
     import torch
 
-    from verifier_service.engine import NoInvariantKernels, TargetEngine, UnsupportedModel
+    from verifier_service.engine import NoExactPath, TargetEngine, UnsupportedModel
 
     # Before the load, whose checks and timings run on these threads (draftwire.cpus.threads).
     torch.set_num_threads(getattr(args, "threads", 0) or cpus.threads())
@@ -100,7 +100,7 @@ def load_target(args):
         engine = TargetEngine.load(
             args.target, dtype=args.dtype, invariant=args.invariant, kernels=args.kernels
         )
-    except NoInvariantKernels as e:
+    except NoExactPath as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return None
     except UnsupportedModel as e:

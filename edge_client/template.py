@@ -232,10 +232,6 @@ class TemplateRenderer:
         except MemoryError:
             raise TemplateRefused("the chat template needed more than its memory limit") from None
 
-    def render_sync(self, template: str, messages: list[dict[str, str]], bos: str, eos: str) -> list[Piece]:
-        """For code without an event loop (the terminal chat)."""
-        return asyncio.run(self.render(template, messages, bos, eos))
-
     def _kill(self) -> None:
         pool, self._pool = self._pool, None
         if pool is None:

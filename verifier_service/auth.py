@@ -233,11 +233,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         _CALLER.set(identity)
         _RECHECK.set(again)
 
-    def identify(self, metadata: dict, auth_context: dict) -> tuple[Identity | None, str]:
-        """The caller, or None and why not."""
-        identity, refusal, _ = self.check_in(metadata, auth_context)
-        return identity, refusal.message if refusal else ""
-
     def check_in(
         self, metadata: dict, auth_context: dict
     ) -> tuple[Identity | None, Refusal | None, Recheck | None]:

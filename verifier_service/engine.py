@@ -39,7 +39,6 @@ from verifier_service.invariant import (
 )
 from verifier_service.numerics import Hardware, NoExactPath
 
-NoInvariantKernels = NoExactPath  # the name callers knew
 UnsupportedModel = families.UnsupportedModel
 
 
