@@ -1,7 +1,7 @@
 """The edge app's web page in headless Chromium (Debian's, driven by Playwright): send a message, watch the
 verified reply stream in with its figures, stop a reply, reload and find the conversation kept.
 
-Set DRAFTWIRE_SCREENSHOT=FILE to keep a screenshot of the page (docs/edge-app.png was taken so).
+Set DRAFTWIRE_SCREENSHOT=FILE to keep a screenshot of the page (docs/runs/edge-app.png was taken so).
 """
 
 import contextlib

@@ -1,13 +1,13 @@
 """The soak's CI version (issue 15 item 7): `python -m tools.stress.soak` for 20 seconds, 64 sessions of
 replayed drafts with TLS and tokens on, against one `serve` and against the pool. The five-minute figures
-are in docs/soak.md."""
+are in docs/runs/soak.md."""
 
 import pytest
 
 from tools.stress.soak import SoakConfig, passed, soak, summary_text
 
 # What the verifier's RSS may gain after the warm-up, beyond its KV caches' growth. In 20 s the allocator
-# is still settling (for about a minute, docs/soak.md): between 8 s and 22 s six runs of this build and
+# is still settling (for about a minute, docs/runs/soak.md): between 8 s and 22 s six runs of this build and
 # the one before gained 10 to 104 MiB, a run alone on the machine 105 MiB, and one in CI (the pool,
 # beside another test file) 166 MiB. So this bound catches gross leaks only (over about 0.45 MiB a
 # generation: some 410-470 generations fall in the window); a leaked KV cache (about 0.2 MiB a

@@ -17,7 +17,7 @@ Each cell is one wave: N sessions start together, each commits `new_tokens` (EOS
 counts prefill: the wall time runs from the opens, the positions include the prompts', and the verifier
 keeps no finished session's cache (--prefix-cache-mb 0), so no prompt is prefilled for free.
 
-    python -m tools.bench.capacity [--sessions 1,4,16,32] [--new-tokens 64] [--out docs/capacity]
+    python -m tools.bench.capacity [--sessions 1,4,16,32] [--new-tokens 64] [--out docs/runs/capacity]
         [--prompt-set chat|code] [--arms abc]
 
 `--prompt-set code`: held-out code turns (write, complete, rewrite given code; draftwire_cli.models.prompts)

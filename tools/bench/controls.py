@@ -14,7 +14,7 @@ The logprob arms must give the plain arm's tokens, and the two penalty arms each
 the target's whatever the draft proposes). Reports tokens/s and its ratio to the plain arm, acceptance,
 tokens per round, and the bytes per round on the wire.
 
-    python -m tools.bench.controls --out docs/bench/controls   (about 5 minutes on 2 cores)
+    python -m tools.bench.controls --out docs/runs/bench/controls   (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations

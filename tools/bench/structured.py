@@ -11,7 +11,7 @@ alone with the same constraint, and what the verifier's masks cost a round: each
 through a verifier-side matcher (transformers' tokenizer), the masks of every round of γ draft tokens
 timed, against the verifier's own forward time per round.
 
-    python -m tools.bench.structured --out docs/bench/structured   (about 5 minutes on 2 cores)
+    python -m tools.bench.structured --out docs/runs/bench/structured   (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 turn, the prompt, the positions the verifier computed for it, the positions it took from its kept cache,
 and the time to the first token.
 
-    python -m tools.bench.turns [--models DIR] [--out docs/edge-turns]
+    python -m tools.bench.turns [--models DIR] [--out docs/runs/edge-turns]
 
 The edge app (its llama.cpp draft) runs on core 0 and the verifier on core 1, standing for a device and a
 server; the questions are the SmolLM2 card's held-out chat prompts, greedy, 64 tokens a reply.

@@ -188,7 +188,7 @@ class Campaign:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and case[0] == "unary" and case[1].endswith("/Session"):
             # The verifier answers a Session called as unary with `opened`, a thin session's verdicts and
             # OK, and holds nothing; grpc's client cannot take a second message on a unary call and
-            # waits for its deadline. The client's wait, not the verifier's (docs/fuzz.md).
+            # waits for its deadline. The client's wait, not the verifier's (docs/runs/fuzz.md).
             f.statuses["DEADLINE_EXCEEDED (Session called as unary)"] += 1
             return
         f.statuses[code.name] += 1
