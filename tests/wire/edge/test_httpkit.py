@@ -13,14 +13,15 @@ import pytest
 from aiohttp import web
 
 from edge_client import httpkit
-from edge_client.app import METRICS, EdgeMetrics, _json, errors
+from edge_client.httpkit import errors, read_json
+from edge_client.metrics import METRICS, EdgeMetrics
 
 
 async def started(read_timeout_s: float = 30.0) -> tuple[httpkit.Runner, int]:
     """An app with the edge's error middleware and one route that reads a JSON body."""
 
     async def echo(request: web.Request) -> web.Response:
-        return web.json_response(await _json(request))
+        return web.json_response(await read_json(request))
 
     app = web.Application(middlewares=[errors])
     app[METRICS] = EdgeMetrics()
