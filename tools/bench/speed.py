@@ -184,7 +184,8 @@ class RowRun:
 
 def tuner_view(tuner) -> dict:
     """What a tuner holds, for a bench's JSON: the model's inputs as the tuner sees them, so that a row
-    whose choice looks wrong can be read against its measured figures (docs/benchmarks.md, haiku)."""
+    whose choice looks wrong can be read against its measured figures
+    (docs/runs/benchmarks-history.md, haiku)."""
     est = tuner.estimates()
 
     def sizes(line) -> dict:
@@ -218,7 +219,8 @@ def model_at_own_acceptance(row: dict) -> float | None:
     with (tuner_view), but the row's own acceptance over all its rounds, as the same rate at every
     position, in place of the tuner's, which follows the last prompt. The tuner's check (the row's
     model_tokens_per_s) then reads the model against the row, not the last prompt against the row: a
-    chat point's last prompt, its easiest, put every row of it 0.79-0.98 there (docs/benchmarks.md).
+    chat point's last prompt, its easiest, put every row of it 0.79-0.98 there
+    (docs/runs/benchmarks-history.md).
     None where the row has no tuner, no acceptance or no γ."""
     view, acceptance = row.get("tuner"), row.get("acceptance")
     gamma, depth = row["gamma"], row["pipeline"]

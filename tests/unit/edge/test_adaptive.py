@@ -95,9 +95,9 @@ def test_cost_line_fits_a_line_and_guesses_from_one_size():
 
 
 def test_a_cost_that_dips_is_held_where_the_noise_cannot_explain_it():
-    """The Qwen target's forward on this CPU: 5 positions cheaper than 3 (docs/benchmarks.md). A line
-    with a slope of at least 0 cannot hold that; each size's own figures, shrunk towards the line only
-    as far as the noise explains their distance from it, do."""
+    """The Qwen target's forward on this CPU: 5 positions cheaper than 3
+    (docs/runs/benchmarks-history.md). A line with a slope of at least 0 cannot hold that; each size's
+    own figures, shrunk towards the line only as far as the noise explains their distance from it, do."""
     rng = random.Random(3)
     dip = CostLine(smoothing=0.1, fixed_share=0.5)
     for _ in range(20):
@@ -137,9 +137,10 @@ def test_a_forwards_growth_beside_drafting_is_fitted_where_its_shares_spread():
     assert fit.gap(7, 0.25) == pytest.approx(fit.slowdown() * 0.25)
 
 
-# The Qwen pair's costs on the two-core rig, haiku-like (docs/benchmarks.md): a verify cost that dips at
-# 5 positions, and drafting beside a forward (pipelined) slowing both, as two processes sharing memory
-# bandwidth do. Fed to the tuner directly (not through the timeline), so the model is the ground truth.
+# The Qwen pair's costs on the two-core rig, haiku-like (docs/runs/benchmarks-history.md): a verify cost
+# that dips at 5 positions, and drafting beside a forward (pipelined) slowing both, as two processes sharing
+# memory bandwidth do. Fed to the tuner directly (not through the timeline), so the model is the ground
+# truth.
 QWEN_VERIFY_MS = {1: 380, 2: 372, 3: 365, 4: 345, 5: 326, 6: 330, 7: 338, 8: 380, 9: 400}
 
 
@@ -576,8 +577,8 @@ def test_a_plain_step_costs_what_the_verifier_says_not_the_edges_line_through_it
     told = tuner.estimates()
     assert told.verify(0) == pytest.approx(0.30) and told.verify(5) == pytest.approx(0.34)
     # Chat on the pair at 30 ms, in a stretch where each position is accepted half the time: γ 5 still
-    # beats handing 16 steps to the verifier, as measured (docs/benchmarks.md); the line's V(1) said
-    # the opposite, by more than the off margin.
+    # beats handing 16 steps to the verifier, as measured (docs/runs/benchmarks-history.md);
+    # the line's V(1) said the opposite, by more than the off margin.
     told, line = (dataclasses.replace(e, acceptance=(0.5,) * 10, rtt_s=0.03) for e in (told, line))
     assert tokens_per_second(told, 5, 0) > off_tokens_per_second(told, 16)
     margin = 1 + TunerConfig().off_margin
