@@ -47,6 +47,36 @@ def limits(args):
     return admission, LifetimeConfig(args.idle_timeout_s, args.max_session_age_s, args.drain_timeout_s)
 
 
+def verifier_limits(args):
+    from verifier_service.settings import VerifierLimits
+
+    return VerifierLimits(
+        max_gamma=args.max_gamma, read_ahead=args.thin_read_ahead, thin_sessions=args.thin_sessions
+    )
+
+
+def batch(args):
+    """serve's BatchConfig from its flags."""
+    from verifier_service.settings import BatchConfig
+
+    return BatchConfig(
+        max_batch=args.max_batch,
+        window_s=args.batch_window_ms / 1000,
+        max_prefill_positions=args.max_prefill_positions,
+        prefill_share=args.prefill_share,
+        min_prefill_positions=args.min_prefill_positions,
+        max_prefill_s=args.max_prefill_s,
+        calibrate=not args.no_calibrate,
+        calibration_dir=calibration_dir(),
+    )
+
+
+def prefix_cache(args):
+    from verifier_service.settings import PrefixCacheConfig
+
+    return PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl)
+
+
 def timeouts(args):
     from edge_client.session import Timeouts
 

@@ -27,6 +27,7 @@ from draftwire_cli.flags import (
     add_thin,
     add_timeouts,
     count,
+    default_of,
     gamma,
     megabytes,
     port,
@@ -35,6 +36,7 @@ from draftwire_cli.flags import (
     server_address,
 )
 from draftwire_cli.models.pairs import PAIRS
+from verifier_service.settings import SERVE_PREFIX_CACHE_BYTES, BatchConfig, PrefixCacheConfig, VerifierLimits
 
 DESCRIPTION = "The `draftwire` command: serve, generate, reference, chat, edge, demo and the rest."
 
@@ -59,7 +61,12 @@ def _serve(sub) -> None:
         help="an edge drafts on this machine too: take the verifier's share of the CPUs (the edge's "
         "--share-cpus takes the draft's), as demo divides them (docs/sharing.md)",
     )
-    p.add_argument("--max-gamma", type=positive, default=16, help="most draft tokens a proposal may carry")
+    p.add_argument(
+        "--max-gamma",
+        type=positive,
+        default=default_of(VerifierLimits, "max_gamma"),
+        help="most draft tokens a proposal may carry",
+    )
     p.add_argument(
         "--no-gamma-cap",
         action="store_true",
@@ -79,11 +86,28 @@ def _serve(sub) -> None:
         f"context needs, {wire.ID_BYTES} bytes an id plus {wire.MESSAGE_SLACK >> 10} KiB; with --ray, "
         f"the front takes {wire.MAX_MESSAGE_BYTES >> 20} MiB)",
     )
+    _add_batching(p)
+    _add_metrics(p)
+    add_target_numerics(p)
+    add_limits(p)
+    _add_server_security(p)
+    _add_pool(p)
+
+
+def _add_batching(p) -> None:
+    """Forward passes: how many sessions each holds, how long a batch waits, the engine's threads and the
+    finished caches it keeps."""
     p.add_argument(
-        "--max-batch", type=positive, default=32, help="most sessions verified in one forward pass"
+        "--max-batch",
+        type=positive,
+        default=default_of(BatchConfig, "max_batch"),
+        help="most sessions verified in one forward pass",
     )
     p.add_argument(
-        "--batch-window-ms", type=seconds, default=10.0, help="longest wait for open sessions before a batch"
+        "--batch-window-ms",
+        type=seconds,
+        default=1000 * default_of(BatchConfig, "window_s"),
+        help="longest wait for open sessions before a batch",
     )
     p.add_argument(
         "--threads", type=count, default=0, help="torch threads of the engine (0: one per CPU left free)"
@@ -91,15 +115,15 @@ def _serve(sub) -> None:
     p.add_argument(
         "--prefix-cache-mb",
         type=megabytes,
-        default=1024,
+        default=SERVE_PREFIX_CACHE_BYTES >> 20,
         help="memory for finished sessions' KV caches, kept for the next turn of a conversation (0: none)",
     )
-    p.add_argument("--prefix-cache-ttl", type=seconds, default=600, help="seconds a kept cache lives unused")
-    _add_metrics(p)
-    add_target_numerics(p)
-    add_limits(p)
-    _add_server_security(p)
-    _add_pool(p)
+    p.add_argument(
+        "--prefix-cache-ttl",
+        type=seconds,
+        default=default_of(PrefixCacheConfig, "ttl_s"),
+        help="seconds a kept cache lives unused",
+    )
 
 
 def _add_metrics(p) -> None:

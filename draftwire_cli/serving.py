@@ -23,34 +23,20 @@ def serve(args) -> int:
     if args.metrics_port:
         check_free(args.metrics_host, args.metrics_port)
 
-    from verifier_service.batcher import BatchConfig
-    from verifier_service.engine import PrefixCacheConfig
     from verifier_service.gamma_cap import CapConfig
     from verifier_service.grpc_kit import ServerConfig
-    from verifier_service.session import VerifierLimits
 
     admission, lifetime = configs.limits(args)
     config = ServerConfig(
         args.host,
         args.port,
         args.max_message_bytes,
-        VerifierLimits(
-            max_gamma=args.max_gamma, read_ahead=args.thin_read_ahead, thin_sessions=args.thin_sessions
-        ),
-        BatchConfig(
-            max_batch=args.max_batch,
-            window_s=args.batch_window_ms / 1000,
-            max_prefill_positions=args.max_prefill_positions,
-            prefill_share=args.prefill_share,
-            min_prefill_positions=args.min_prefill_positions,
-            max_prefill_s=args.max_prefill_s,
-            calibrate=not args.no_calibrate,
-            calibration_dir=configs.calibration_dir(),
-        ),
+        configs.verifier_limits(args),
+        configs.batch(args),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         metrics_token_file=args.metrics_token_file,
-        prefix_cache=PrefixCacheConfig(int(args.prefix_cache_mb * (1 << 20)), args.prefix_cache_ttl),
+        prefix_cache=configs.prefix_cache(args),
         tls=tls,
         auth=auth,
         admission=admission,

@@ -38,6 +38,7 @@ from verifier_service.invariant import (
     softcapped_attention,
 )
 from verifier_service.numerics import Hardware, NoExactPath
+from verifier_service.settings import PrefixCacheConfig
 
 UnsupportedModel = families.UnsupportedModel
 
@@ -216,14 +217,6 @@ class _Cache:
     @property
     def nbytes(self) -> int:  # memory held, spare capacity included
         return sum(t.nbytes for layer in self.layers for t in (layer._keys, layer._values) if t is not None)
-
-
-@dataclass(frozen=True)
-class PrefixCacheConfig:
-    """How long finished sessions' caches are kept for new sessions that extend them."""
-
-    budget_bytes: int = 0  # most memory the kept caches hold together; 0 keeps none
-    ttl_s: float = 600.0  # a kept cache unused this long is dropped
 
 
 class PrefixCache:

@@ -35,6 +35,7 @@ from draftwire.rules import adjusted_logits, choose_tokens, commit_round, masked
 from verifier_service.batcher import Batcher, Engine
 from verifier_service.constraints import grammar_tokenizer, session_matcher
 from verifier_service.engine import Forward
+from verifier_service.settings import VerifierLimits
 
 
 class SessionError(Exception):
@@ -57,21 +58,6 @@ class Round:
     draft: tuple[int, ...]  # the draft tokens verified (those past the budget are dropped)
     budget: int  # tokens this session may still generate
     forward: Forward  # the last committed token then the draft, on top of the session's cache
-
-
-@dataclass(frozen=True)
-class VerifierLimits:
-    max_gamma: int = 16  # most draft tokens per proposal
-    # A proposal of no draft token is a plain step (the target's next token): the edge's fallback where
-    # speculation does not pay (edge_client.adaptive), and the thin sessions' and reference's rounds.
-    min_gamma: int = 0
-    max_stop_token_ids: int = 256  # stop ids an open may name (every other repeated field is bounded too)
-    # A thin session is decoded at most this many tokens (plus one round) past what its edge has read
-    # (its last Read): one whose edge reads nothing costs the engine a bounded share, then waits.
-    read_ahead: int = 64
-    # Thin sessions at all: an operator may keep the engine for edges that draft (each thin token is a
-    # forward); edges then speculate, and fall back to plain steps where speculation does not pay.
-    thin_sessions: bool = True
 
 
 @dataclass
