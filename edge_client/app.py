@@ -29,7 +29,7 @@ from edge_client.routes import Routes
 from edge_client.store import Store
 from edge_client.trust import UntrustedVerifier
 
-__all__ = ["EdgeApp", "EdgeConfig", "default_store", "make_app", "serve"]
+__all__ = ["EdgeApp", "EdgeConfig", "default_store", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,6 @@ class EdgeApp:
         """Asks the verifier what it serves and checks the answer; returns its ModelInfo, or None when the
         verifier cannot be reached yet (checked then at the first request). Raises UntrustedVerifier."""
         return await self.link.connect(timeout_s)
-
-
-def make_app(config: EdgeConfig, drafter, draft_name: str = "") -> web.Application:
-    return EdgeApp(config, drafter, draft_name).web_app()
 
 
 async def serve(config: EdgeConfig, drafter, host: str, port: int, draft_name: str = "", ready=None) -> None:
