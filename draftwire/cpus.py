@@ -1,6 +1,6 @@
 """The CPUs this process may use, and how its compute threads share them: thread counts from the process's
 affinity (what taskset or a container's cpuset leave it), OpenMP threads that sleep while they wait, and a
-split of those CPUs between a verifier and a draft that run on one machine (docs/benchmarks.md, "Sharing
+split of those CPUs between a verifier and a draft that run on one machine (docs/sharing.md, "Sharing
 a machine").
 """
 

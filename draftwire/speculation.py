@@ -58,7 +58,8 @@ class CostLine:
     and a weighted line through them; with one size seen, a line with the given fixed share.
 
     A cost need not be a line: a forward over 5 positions can cost less than one over 3 (measured on the
-    Qwen pair, docs/benchmarks.md). So a size seen is estimated from its own mean, shrunk towards the
+    Qwen pair, docs/runs/benchmarks-history.md). So a size seen is estimated from its own mean, shrunk
+    towards the
     line as far as the figures' noise explains its distance from it (empirical Bayes: the sizes' spread
     about the line, less what noise puts there, against the noise in this size's mean). Where the sizes
     lie on a line within noise, every estimate is the line's, which pools them all; the line serves

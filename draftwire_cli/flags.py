@@ -13,7 +13,8 @@ from verifier_service.lifecycle import LifetimeConfig
 from verifier_service.settings import BatchConfig, VerifierLimits
 
 # γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
-# the SmolLM2 pair on the two-device rig (docs/benchmarks.md); pipelining is what hides a round trip.
+# the SmolLM2 pair on the two-device rig (docs/runs/benchmarks-history.md); pipelining is what hides a
+# round trip.
 # The load test's defaults. generate, chat, demo and edge choose both online unless told
 # (edge_client/adaptive.py), starting from these.
 GAMMA = 4

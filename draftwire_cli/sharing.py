@@ -1,6 +1,6 @@
 """A verifier and a draft on one machine (`draftwire demo`): the process's CPUs divided between them as two
 devices would have them (draftwire.cpus.split), and the speed that gives, measured once against the
-target alone on every CPU (docs/benchmarks.md, "Sharing a machine")."""
+target alone on every CPU (docs/sharing.md)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ counts `acceptance_smoothing`):
           size seen its own figures shrunk towards the line (a forward's cost need not grow with its
           positions). Each kept twice: in turn (depth 0) and side by side (the drafter drafting while
           the proposal is verified), since two processes sharing a machine's memory bandwidth slow
-          each other: 5-30 % on the two-core rig's verifier (docs/benchmarks.md). A forward is told
+          each other: 5-30 % on the two-core rig's verifier (docs/runs/benchmarks-history.md). A
+          forward is told
           with the share s of it the drafter spent drafting (the planner times both), and costs
           V + s·(V_beside - V): each size's forwards are fitted against their shares (BesideFit), and
           each tells both ends, moved to each by the fitted gap.
@@ -133,12 +134,13 @@ def _with_server(table: dict[int, float], timed: Mapping[int, float], server: Ma
     leans on the verifier's figure at today's level instead of its own old one. Without that, a few
     slow forwards at γ 4 at the start (1.8 times the cost seen later) held a tuner at γ 2 for good on
     haiku, and three cheap forwards at 2 positions early on, against a slow stretch at 3, sent it to
-    γ 1 (docs/benchmarks.md).
+    γ 1 (docs/runs/benchmarks-history.md).
 
     V(1), a plain step's, included: speculating, the edge times no forward of one position, and its own
     line through a size or two near γ + 1, with the guessed fixed share, put the 1.5B target's step at
     0.58 of a 6-position round where the verifier's figures say 0.9. Plain steps then looked cheap, and
-    speculation turned off in chat and haiku, where it paid 1.5-2.3x (docs/benchmarks.md). A V(1) from the
+    speculation turned off in chat and haiku, where it paid 1.5-2.3x (docs/runs/benchmarks-history.md).
+    A V(1) from the
     verifier's figures is held at or below every other size's estimate: the scaling mixes two sources,
     and a plain step dearer than a round would keep a wrong draft speculating."""
     server = _rising(server)
@@ -265,7 +267,7 @@ class Tuner:
         figures replacing older ones. They give the shape of V(n) at the sizes this tuner has not
         measured, scaled to its own level (`estimates`), instead of the fixed share's guess of how a
         forward grows with its positions: on a pair whose forward hardly grows, that guess sent γ down
-        and back up over a new tuner's first rounds (docs/benchmarks.md)."""
+        and back up over a new tuner's first rounds (docs/runs/benchmarks-history.md)."""
         self._server_costs.update({n: s for n, s in seconds.items() if n > 0 and s > 0})
 
     def observe_guess(self, draft_tokens: int, right: bool) -> None:
@@ -285,7 +287,7 @@ class Tuner:
         at the two ends, in turn and beside drafting all through, and a forward beside a share of
         drafting tells both, moved to each by the gap between them (BesideFit): pipelined, a forward
         beside one short draft costs about what one in turn does, and one beside drafts all through,
-        as at the pipeline's start, up to 1.3 times as much (docs/benchmarks.md)."""
+        as at the pipeline's start, up to 1.3 times as much (docs/runs/benchmarks-history.md)."""
         if seconds <= 0:
             return
         positions = draft_tokens + 1

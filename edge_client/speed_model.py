@@ -58,7 +58,7 @@ class Estimates(Costs):
     """What the model needs, as numbers: the tuner's current view, or a hand-built case in a test. The
     costs it holds itself are those of drafting and verifying in turn (depth 0); `ahead`, those while the
     drafter drafts alongside the verifier (depth ≥ 1), which on machines that share memory bandwidth
-    (the two-core rig: docs/benchmarks.md) cost more. None: the same."""
+    (the two-core rig: docs/runs/benchmarks-history.md) cost more. None: the same."""
 
     acceptance: tuple[float, ...] = ()  # [max_gamma + 1]: α_i, conditional acceptance of draft position i
     rtt_s: float = 0.0  # R

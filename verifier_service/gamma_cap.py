@@ -25,8 +25,8 @@ A lone session is never capped. The cap trades a session's own speed for what th
 others; with nobody else open, the busy share is that session's own verify time (one session in turn on
 the Qwen pair keeps a CPU engine 75-80 % busy), and its own tuner, which weighs its drafting and round
 trip as the cap cannot, chooses its γ best. So the pressure counts only while two or more sessions are
-open (docs/benchmarks.md: at haiku's acceptance a cap of 3 held the fixed γ 4 rows of a lone session
-below 4 in 59-62 % of their rounds).
+open (docs/runs/benchmarks-history.md: at haiku's acceptance a cap of 3 held the fixed γ 4 rows of a
+lone session below 4 in 59-62 % of their rounds).
 """
 
 from __future__ import annotations
