@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.pool import NoReplica, NoSuchNumerics, Pool
 from cluster.routing import Slot, State, soonest
 from draftwire.aio import within
+from draftwire.counters import STATS
 from draftwire.v1 import draftwire_pb2 as pb
 from verifier_service import auth
 from verifier_service.grpc_kit import (
@@ -50,46 +51,26 @@ from verifier_service.lifecycle import LifetimeConfig, revocation
 
 log = logging.getLogger(__name__)
 
-_SUMMED = (
-    "active_sessions",
-    "sessions_opened",
-    "rounds",
-    "generated_tokens",
-    "round_positions",
-    "prefill_positions",
-    "engine_batches",
-    "engine_forwards",
-    "engine_seconds",
-    "reused_positions",
-    "kept_caches",
-    "cache_bytes",
-    "drafts",
-    "draft_tokens",
-    "accepted_tokens",
-    "stale_proposals",
-    "thin_sessions",
-    "plain_steps",
-    "handoffs",
-)
-_SUMMED_LISTS = ("accepted_per_position", "batch_seconds_counts", "batch_size_counts")
-
 
 def add_stats(total: pb.ServerStats, reply: pb.ServerStats) -> None:
-    """Adds a replica's counters to the pool's: scalars, lists element by element, refusals by code;
-    the γ cap is the lowest of the replicas'."""
-    for name in _SUMMED:
-        setattr(total, name, getattr(total, name) + getattr(reply, name))
-    for name in _SUMMED_LISTS:
-        mine, theirs = getattr(total, name), getattr(reply, name)
-        mine.extend([0] * (len(theirs) - len(mine)))
-        for i, value in enumerate(theirs):
-            mine[i] += value
-    for code, count in reply.refusals.items():
-        total.refusals[code] += count
-    known = {n.identity for n in total.numerics}
-    total.numerics.extend(n for n in reply.numerics if n.identity not in known)
-    caps = [c for c in (total.gamma_cap, reply.gamma_cap) if c]
-    total.gamma_cap = min(caps, default=0)  # the tightest replica's
+    """Adds a replica's figures to the pool's, each as draftwire.counters.STATS says: sums (lists element
+    by element, maps by key), the lowest γ cap set, each distinct numerics once; ratios come after."""
+    for stat in STATS:
+        mine, theirs = getattr(total, stat.field), getattr(reply, stat.field)
+        if stat.pool == "min":
+            setattr(total, stat.field, min((v for v in (mine, theirs) if v), default=0))
+        elif stat.pool == "union":
+            known = {n.identity for n in mine}  # numerics: one per identity
+            mine.extend(n for n in theirs if n.identity not in known)
+        elif stat.pool == "sum" and hasattr(theirs, "items"):  # a map
+            for key, value in theirs.items():
+                mine[key] += value
+        elif stat.pool == "sum" and hasattr(theirs, "extend"):  # a list
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, value in enumerate(theirs):
+                mine[i] += value
+        elif stat.pool == "sum":
+            setattr(total, stat.field, mine + theirs)
 
 
 class _Relay:

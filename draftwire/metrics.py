@@ -24,37 +24,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from draftwire.contract import BATCH_SECONDS_BUCKETS, BATCH_SIZE_BUCKETS
+from draftwire.counters import STATS
 from draftwire.v1 import draftwire_pb2 as pb
 
 P = "draftwire:"
 
-_COUNTERS = (
-    ("spec_decode_num_drafts", "drafts", "Verified proposals with at least one draft token."),
-    ("spec_decode_num_draft_tokens", "draft_tokens", "Draft tokens the target verified."),
-    ("spec_decode_num_accepted_tokens", "accepted_tokens", "Draft tokens accepted."),
-    ("sessions", "sessions_opened", "Sessions opened (thin ones included)."),
-    ("thin_sessions", "thin_sessions", "Sessions the verifier decoded itself (no edge draft)."),
-    ("rounds", "rounds", "Rounds verified (stale proposals excluded)."),
-    ("generated_tokens", "generated_tokens", "Tokens committed by verdicts."),
-    ("round_positions", "round_positions", "Positions the target computed in rounds."),
-    ("prefill_positions", "prefill_positions", "Positions the target computed to prefill prompts."),
-    ("prefill_reused_positions", "reused_positions", "Prefill positions taken from kept caches."),
-    ("stale_proposals", "stale_proposals", "Proposals answered stale."),
-    ("plain_steps", "plain_steps", "Edge rounds of no draft token: speculation off where it does not pay."),
-    ("handoffs", "handoffs", "Thin sessions an edge handed over: speculation off, the verifier decoding."),
-)
-_GAUGES = (
-    ("active_sessions", "active_sessions", "Sessions whose KV cache is held now."),
-    ("kept_caches", "kept_caches", "Finished sessions' caches kept for a next turn."),
-    ("kv_cache_bytes", "cache_bytes", "Memory held by KV caches, live and kept."),
-    ("spec_decode_gamma_cap", "gamma_cap", "Most draft tokens a proposal should carry (lowered under load)."),
-)
-
 
 def families(stats: pb.ServerStats) -> Iterator:
     """The metric families of one ServerStats snapshot."""
-    for name, field, doc in _COUNTERS:
-        yield CounterMetricFamily(P + name, doc, value=getattr(stats, field))
+    for stat in STATS:
+        if stat.metric:
+            family = CounterMetricFamily if stat.metric == "counter" else GaugeMetricFamily
+            yield family(P + stat.name, stat.doc, value=getattr(stats, stat.field))
     per_position = CounterMetricFamily(
         P + "spec_decode_num_accepted_tokens_per_pos",
         "Verified proposals whose draft token at this position (0-based) was accepted.",
@@ -69,8 +50,6 @@ def families(stats: pb.ServerStats) -> Iterator:
     for code, count in sorted(stats.refusals.items()):
         refusals.add_metric([code], count)
     yield refusals
-    for name, field, doc in _GAUGES:
-        yield GaugeMetricFamily(P + name, doc, value=getattr(stats, field))
     numerics = GaugeMetricFamily(
         P + "numerics_info",
         "1 for each numerics the verifier (or a pool's replicas) computes the target's logits with: dtype, "

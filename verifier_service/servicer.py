@@ -135,27 +135,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """This process's counters (GetStats, and the Prometheus metrics)."""
         s, b = self.verifier.stats, self.verifier.batcher.stats
         return pb.ServerStats(
+            **dataclasses.asdict(s),  # the session counters, each under its ServerStats name
             active_sessions=self.engine.active_sessions,
-            sessions_opened=s.sessions_opened,
-            rounds=s.rounds,
-            generated_tokens=s.generated_tokens,
-            round_positions=s.round_positions,
-            prefill_positions=s.prefill_positions,
             target_positions_per_token=s.target_positions_per_token,
             engine_batches=b.batches,
             engine_forwards=b.forwards,
             engine_seconds=b.seconds,
-            reused_positions=s.reused_positions,
             kept_caches=len(self.engine.prefix_cache),
             cache_bytes=self.engine.cache_bytes,
-            drafts=s.drafts,
-            draft_tokens=s.draft_tokens,
-            accepted_tokens=s.accepted_tokens,
-            accepted_per_position=s.accepted_per_position,
-            stale_proposals=s.stale_proposals,
-            thin_sessions=s.thin_sessions,
-            plain_steps=s.plain_steps,
-            handoffs=s.handoffs,
             refusals=self.refusals,
             batch_seconds_counts=b.seconds_counts,
             batch_size_counts=b.size_counts,
