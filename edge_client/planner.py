@@ -103,6 +103,16 @@ class GenerationStats:
     min_gamma_cap: int = 0
     numerics: str = ""  # the verifier's numerics identity from the first open; resumes ask for it
 
+    def verified(self, verdict: Verdict, draft_tokens: int, accepted: int, committed: int) -> None:
+        """A verdict that verified something: its round, tokens and the verifier's figures."""
+        self.rounds += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        self.generated_tokens += committed
+        self.target_positions = verdict.target_positions
+        self.verify_s += verdict.verify_seconds
+        self.batched_with += verdict.batch_size
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
@@ -341,14 +351,8 @@ class Planner:
             if after.prefix[:-1] == [*sent.prefix, *sent.draft]:  # drafted on top of `sent`: it guessed
                 self.tuner.observe_guess(len(sent.draft), after.assumed[-1] == bonus)
         self.committed += new
-        self.stats.rounds += 1
+        self.stats.verified(verdict, len(sent.draft), verdict.accepted, len(new))
         self.stats.plain_steps += not sent.draft
-        self.stats.draft_tokens += len(sent.draft)
-        self.stats.accepted_tokens += verdict.accepted
-        self.stats.generated_tokens += len(new)
-        self.stats.target_positions = verdict.target_positions
-        self.stats.verify_s += verdict.verify_seconds
-        self.stats.batched_with += verdict.batch_size
         self.finished = verdict.finish is not None
         return new
 

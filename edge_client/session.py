@@ -383,17 +383,12 @@ class EdgeSession:
     def _count_thin(self, verdict: Verdict, committed: int, stats: GenerationStats, leg: Leg | None) -> None:
         """A thin verdict's figures; a leg's tokens count as the verifier's, and its forward feeds the
         tuner."""
-        stats.rounds += 1
         if leg is None:
-            stats.draft_tokens += len(verdict.server_draft_token_ids)
-            stats.accepted_tokens += verdict.accepted
+            stats.verified(verdict, len(verdict.server_draft_token_ids), verdict.accepted, committed)
         else:
+            stats.verified(verdict, 0, 0, committed)
             stats.server_tokens += committed
             self.tuner.observe_verify(len(verdict.server_draft_token_ids), verdict.verify_seconds)
-        stats.generated_tokens += committed
-        stats.target_positions = verdict.target_positions
-        stats.verify_s += verdict.verify_seconds
-        stats.batched_with += verdict.batch_size
 
     async def _raise_open_refusal(self, request: GenerationRequest, gen: Generation) -> None:
         """Raises the verifier's status for this open, if it refuses it.
