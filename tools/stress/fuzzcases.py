@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 from hypothesis import strategies as st
 
 from draftwire import wire
+from draftwire.contract import MIN_DIVISOR
 from draftwire.v1 import draftwire_pb2 as pb
 from tools.stress.rawwire import U64, field_bytes, tag
 
@@ -197,7 +198,8 @@ def live_sessions(info: pb.ModelInfo):
     temperature = st.one_of(
         st.just(0.0),
         st.just(0.0),
-        st.sampled_from([5e-324, 1e-300, 1e-6, 0.7, 1.0, 2.0, 1e6, 1e308]),
+        # The least temperature but 0 (draftwire.contract.MIN_DIVISOR) and on: smaller ones are invalid.
+        st.sampled_from([MIN_DIVISOR, 1e-3, 0.7, 1.0, 2.0, 1e6, 1e308]),
         st.floats(0.01, 4.0),
     )
     top_k = st.one_of(
