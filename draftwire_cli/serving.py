@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 
 import grpc
@@ -54,8 +55,24 @@ def serve(args) -> int:
     engine = load_target(args)
     if engine is None:
         return 2
-    asyncio.run(_serve_until_signal(engine, config))
+    run_interruptible(lambda: _serve_until_signal(engine, config))
     return 0
+
+
+def run_interruptible(main) -> None:
+    """asyncio.run(main()), but a Ctrl-C while the loop is being built waits until it is whole (else the
+    half-made loop complains when it is collected), then ends the run as any Ctrl-C does: asyncio's
+    Runner cancels main() and raises KeyboardInterrupt."""
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        loop = asyncio.new_event_loop()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        if held:
+            raise KeyboardInterrupt
+        runner.run(main())
 
 
 def check_metrics_flags(args) -> None:
