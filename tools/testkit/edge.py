@@ -6,7 +6,11 @@ import asyncio
 from collections.abc import Sequence
 
 from draftwire import wire
-from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from edge_client.session import EdgeSession, GenerationRequest, GenerationStats, Timeouts
+
+# A test's edge waits long for a verdict: a busy machine (CI's two files at a time) once kept the first
+# verdict of a Gemma session past the product's 60 s, which reads a slow verifier as a hung one.
+PATIENT = Timeouts(verdict_s=600.0)
 
 
 def run_requests(
@@ -17,7 +21,7 @@ def run_requests(
 
     async def run():
         async with wire.insecure_channel(address) as channel:
-            session = EdgeSession(channel, drafter)
+            session = EdgeSession(channel, drafter, PATIENT)
             return [await session.run(r) for r in requests]
 
     return asyncio.run(run())
