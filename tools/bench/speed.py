@@ -28,7 +28,7 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire_cli.cliargs import add_target_numerics, id_list, rig
 from draftwire_cli.figures import percentile
-from draftwire_cli.flags import count, gamma, positive, temperature
+from draftwire_cli.flags import UserError, count, gamma, positive, temperature
 from edge_client.adaptive import Costs, Estimates, path_rounds, tokens_per_second
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
@@ -444,9 +444,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from draftwire_cli.main import check_inputs, fail
+
     p = argparse.ArgumentParser(prog="draftwire bench", description=__doc__.splitlines()[0])
     add_arguments(p)
+    p.set_defaults(command="bench")
     args = p.parse_args(argv)
+    try:
+        check_inputs(args)  # a missing model said in one line, as every command says it
+    except UserError as e:
+        return fail(str(e), e.status)
     config = BenchConfig.from_args(
         args, delay_gamma=args.delay_gamma, pipelines=args.pipelines, verifier_threads=args.verifier_threads
     )
