@@ -54,29 +54,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from draftwire.speculation import AcceptanceCounts, BesideFit, CostLine, expected_tokens
+from draftwire.speculation import AcceptanceCounts, BesideFit, CostLine
 from edge_client.speed_model import (
     Costs,
     Estimates,
-    beside_share,
     best_setting,
     off_tokens_per_second,
     tokens_per_second,
 )
-
-__all__ = [
-    "CostLine",
-    "Costs",
-    "Estimates",
-    "Tuner",
-    "TunerConfig",
-    "beside_share",
-    "best_setting",
-    "expected_tokens",
-    "off_tokens_per_second",
-    "path_rounds",
-    "tokens_per_second",
-]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from draftwire import cpus
 from draftwire.contract import SamplingParams, SessionSpec
 from draftwire.vocab import compare_vocabularies, tokens_from_hf, tokens_from_llama
-from edge_client.adaptive import Estimates, best_setting, tokens_per_second
+from edge_client.speed_model import Estimates, best_setting, tokens_per_second
 
 
 @dataclass

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_client.adaptive import Tuner, path_rounds, tokens_per_second
+from edge_client.adaptive import Tuner, path_rounds
+from edge_client.speed_model import tokens_per_second
 from tools.bench.adaptive import across, across_markdown, far_of_near, markdown, summarize
 from tools.bench.arms import BenchConfig, Row
 from tools.bench.speed import model_at_own_acceptance, rate_of_acceptance, tuner_view

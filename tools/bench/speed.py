@@ -29,9 +29,10 @@ from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire_cli.cliargs import add_target_numerics, id_list, rig
 from draftwire_cli.figures import percentile
 from draftwire_cli.flags import UserError, count, gamma, positive, temperature
-from edge_client.adaptive import Costs, Estimates, path_rounds, tokens_per_second
+from edge_client.adaptive import path_rounds
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest, GenerationStats
+from edge_client.speed_model import Costs, Estimates, tokens_per_second
 from tools.bench.arms import BenchConfig, Row, params_for, route
 from tools.rig import devices
 
