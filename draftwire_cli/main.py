@@ -53,34 +53,41 @@ def check_inputs(args) -> None:
             raise UserError("--chat needs a tokenizer: --draft FILE.gguf, or --vocab FILE.gguf")
 
 
+COMMANDS = {
+    "serve": serve,
+    "loadtest": loadtest,
+    "generate": generate,
+    "reference": reference,
+    "chat": chat,
+    "edge": edge,
+    "top": top,
+    "demo": demo,
+    "models": models,
+    "doctor": doctor,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `draftwire` command. Every mistake and failure ends with one `draftwire: ...` line on stderr:
     exit 2 for a command line that cannot work, 1 for a failure while running (DRAFTWIRE_DEBUG=1 shows
     the traceback of an unexpected one)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the checkout's bench parses its own flags
-        try:
-            return bench(argv[1:])
-        except KeyboardInterrupt:
-            return 130
-        except UserError as e:
-            return fail(str(e), e.status)
+        return said("bench", lambda: bench(argv[1:]))
     args = parser().parse_args(argv)
     cpus.sleep_while_waiting()  # before any command loads torch or llama.cpp (they read it once, at load)
-    try:
+
+    def run() -> int:
         check_inputs(args)
-        return {
-            "serve": serve,
-            "loadtest": loadtest,
-            "generate": generate,
-            "reference": reference,
-            "chat": chat,
-            "edge": edge,
-            "top": top,
-            "demo": demo,
-            "models": models,
-            "doctor": doctor,
-        }[args.command](args)
+        return COMMANDS[args.command](args)
+
+    return said(args.command, run)
+
+
+def said(command: str, run) -> int:
+    """run()'s exit status, its mistake or failure said in one line."""
+    try:
+        return run()
     except KeyboardInterrupt:
         return 130
     except UserError as e:
@@ -91,6 +98,5 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DRAFTWIRE_DEBUG"):
             raise
         return fail(
-            f"{args.command} failed: {type(e).__name__}: {configs.reason(e)} (DRAFTWIRE_DEBUG=1 shows where)",
-            1,
+            f"{command} failed: {type(e).__name__}: {configs.reason(e)} (DRAFTWIRE_DEBUG=1 shows where)", 1
         )
