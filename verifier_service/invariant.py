@@ -39,6 +39,7 @@ None of that is a documented promise of the libraries, so the load proves it on 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -51,6 +52,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from verifier_service import mapped
+from verifier_service.attention import KEY_BLOCK, QUERY_CHUNK, block_attention
 
 BACKENDS = ("onednn", "portable")  # what --kernels names besides auto (verifier_service/numerics.py)
 
@@ -80,12 +82,6 @@ MAX_ROWS_TRIED: dict[torch.dtype, tuple[int, ...]] = {
 # GPU does not feel; on CPU, where a row costs compute, fewer.
 PORTABLE_ROWS = {"cpu": 16}
 PORTABLE_ROWS_ELSEWHERE = 64
-
-KEY_BLOCK = 256  # keys per block of the reduction over keys (a matrix product over 384 keys is split)
-QUERY_CHUNK = 256  # query positions per chunk of attention (bounds the scores' memory)
-# A call of few query rows is padded: MKL's product of the queries and the transposed keys gave rows of
-# 1 or 2 queries (of 8, at a head dimension of 256) other bits than the same rows among more.
-MIN_QUERY_ROWS = 16
 
 
 class NotInvariant(RuntimeError):
@@ -343,14 +339,20 @@ def check_linear(
     (default: ROW_POLICY's), gives rows bitwise the same result alone as among others, on random inputs,
     for each (in_features, out_features): every row count up to one call and one past it (and to 65) and
     one of two calls on small shapes (under 4M weights), a few up to one call on large ones (an lm_head:
-    sampled, not every count). The weights are random, or, for a shape in `layers`, that packed layer's
-    own (no second copy of an lm_head at load). A second or a few on CPU."""
+    sampled, not every count). Every row of a count is compared with the same row of the largest count,
+    and its first and last rows with those rows alone: oneDNN's bfloat16 8960 -> 1536 (Qwen2.5-1.5B's
+    down projection) kept rows 0 and n - 1 among 33 rows and changed rows between them. The largest
+    count is also computed at another thread count (1, or 2 where this process runs 1): the bits must
+    not depend on it, since the numerics identity names none (oneDNN split that shape's reduction across
+    threads at few rows). The weights are
+    random, or, for a shape in `layers`, that packed layer's own (no second copy of an lm_head at load).
+    A second or a few on CPU."""
     if kernels == "onednn":
         most = max_rows or ROW_POLICY[dtype][2]
     else:
         most = portable_rows(dtype, device)[1]
     between = {c for c in (100, 129, 257, 513, 1000) if c < most}
-    few = sorted({1, 2, 3, 5, 9, 17, 33, 65, most} | {c for c in between if c > 200})
+    few = sorted({1, 2, 3, 5, 9, 12, 17, 24, 33, 48, 65, 96, most} | {c for c in between if c > 200})
     every = sorted(set(range(1, max(most + 2, 66))) | {2 * most + 1})
     generator = torch.Generator().manual_seed(seed)
     for fan_in, fan_out in sorted(shapes):
@@ -364,142 +366,39 @@ def check_linear(
             linear = _linear_of(weight.to(device, dtype), kernels, min_rows, most)
         # Row i alone, for the first and last row of each count (all rows would cost seconds on an lm_head).
         alone = {i: linear(x[i : i + 1]) for i in {0} | {n - 1 for n in counts}}
+        whole = linear(x)
         for n in counts:
-            out = linear(x[:n])
-            if not (torch.equal(out[:1], alone[0]) and torch.equal(out[n - 1 : n], alone[n - 1])):
+            out = whole if n == len(x) else linear(x[:n])
+            same = torch.equal(out, whole[:n]) and torch.equal(out[:1], alone[0])
+            if not (same and torch.equal(out[n - 1 : n], alone[n - 1])):
                 raise NotInvariant(
                     f"the {kernels} {dtype} linear layer is not row-invariant on this machine "
                     f"({n} rows, {fan_in} -> {fan_out})"
                 )
+        threads, other = torch.get_num_threads(), 1 if torch.get_num_threads() > 1 else 2
+        with _threads(other):
+            elsewhere = linear(x)
+        if not torch.equal(elsewhere, whole):
+            raise NotInvariant(
+                f"the {kernels} {dtype} linear layer gives other bits at {other} threads than at {threads} "
+                f"({fan_in} -> {fan_out})"
+            )
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's intra-op threads set to `n` for a while (a verifier with another thread count must get the
+    same bits: the numerics identity names no thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _packed_rows(rows: torch.Tensor, packed: torch.Tensor, min_rows: int | None, most: int) -> torch.Tensor:
     return packed_linear(rows, packed, None, min_rows, most)
-
-
-def block_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    masks: dict | None = None,
-) -> torch.Tensor:
-    """Causal attention of one session's new positions over its cache, whose result for each query is
-    the same bits whatever else the call holds: how many queries, how many keys past the query's own.
-    Computed in float32 whatever the dtype.
-
-    query [1, heads, n, head_dim]: the last n of the `held` positions of keys and values
-    keys, values [1, kv_heads, held, head_dim]; fewer kv_heads than heads is grouped-query attention.
-      Where they are views of a float32 buffer with room past `held` (the engine's caches), that room
-      is read up to the next key block instead of padding a copy: its values must be finite (they are
-      weighted by exact zeros), as GrowingLayer's zeroed, then stale, positions are.
-    window: a sliding window's width, or None
-    softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), or None
-    masks: a dict that keeps the masks built here for the next call of the same shape (the other
-      layers of a forward), or None
-    returns [1, n, heads, head_dim] in the query's dtype
-    """
-    _, heads, n, dim = query.shape
-    kv_heads, held = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
-    first = held - n  # the position of the first query
-    base = 0 if window is None else max(0, first + 1 - window) // KEY_BLOCK * KEY_BLOCK
-    end = -(-held // KEY_BLOCK) * KEY_BLOCK
-    k, v = _blocks(keys[0], base, end), _blocks(values[0], base, end)  # [kv_heads, end - base, dim]
-    q = query[0].float().reshape(kv_heads, group, n, dim) * scale
-    out = query.new_empty(kv_heads, group, n, dim)
-    masks = {} if masks is None else masks
-    for a in range(0, n, QUERY_CHUNK):
-        b = min(n, a + QUERY_CHUNK)
-        m = b - a
-        # Whole key blocks from the first any query of the chunk sees to the last query's own.
-        lo = 0 if window is None else max(0, first + a + 1 - window) // KEY_BLOCK * KEY_BLOCK
-        hi = -(-(first + b) // KEY_BLOCK) * KEY_BLOCK
-        rows = q[:, :, a:b].reshape(kv_heads, group * m, dim)
-        if group * m < MIN_QUERY_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(kv_heads, MIN_QUERY_ROWS - group * m, dim)], 1)
-        chunk_k, chunk_v = k[:, lo - base : hi - base], v[:, lo - base : hi - base]
-        scores = torch.matmul(rows, chunk_k.transpose(1, 2))  # [kv_heads, rows, hi - lo]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        real = scores[:, : group * m].view(kv_heads, group, m, hi - lo)
-        for columns, hidden in _hidden(masks, first + a, m, lo, hi, window, query.device):
-            real[..., columns].masked_fill_(hidden, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        out[:, :, a:b] = _weighted_values(weights, chunk_v)[:, : group * m].view(kv_heads, group, m, dim)
-    return out.reshape(heads, n, dim).transpose(0, 1)[None]
-
-
-def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The weighted sum of the values, one key block at a time in position order: a matrix product per
-    block (the reduction over keys never longer than KEY_BLOCK), each kv head's blocks in one batched
-    call, summed from the first block to the last.
-    # weights [kv_heads, rows, keys], values [kv_heads, keys, dim] -> [kv_heads, rows, dim]"""
-    kv_heads, rows, keys = weights.shape
-    blocks = keys // KEY_BLOCK
-    out = []
-    for h in range(kv_heads):
-        per_block = torch.bmm(
-            weights[h].view(rows, blocks, KEY_BLOCK).transpose(0, 1),  # [blocks, rows, KEY_BLOCK]
-            values[h].reshape(blocks, KEY_BLOCK, -1),
-        )
-        total = per_block[0].clone()
-        for block in per_block[1:]:
-            total += block
-        out.append(total)
-    return torch.stack(out)
-
-
-def _hidden(
-    masks: dict, first: int, m: int, lo: int, hi: int, window: int | None, device: torch.device
-) -> list[tuple[slice, torch.Tensor]]:
-    """Which keys lo..hi each of m queries from position `first` on does not see, as (columns, mask
-    [m, columns]) for the columns where any is hidden: past the first query (causal) and, with a
-    window, before the last one's window."""
-    shape = (first, m, lo, hi, window)
-    if shape not in masks:
-        pos = torch.arange(first, first + m, device=device)[:, None]
-        parts = []
-        start = first + 1 - lo  # keys after the first query's own
-        if start < hi - lo:
-            key_pos = torch.arange(first + 1, hi, device=device)[None, :]
-            parts.append((slice(start, None), key_pos > pos))
-        if window is not None:
-            stop = max(0, min(first + m - window, hi) - lo)  # keys up to the last query's window
-            if stop > 0:
-                key_pos = torch.arange(lo, lo + stop, device=device)[None, :]
-                parts.append((slice(0, stop), key_pos <= pos - window))
-        masks[shape] = parts
-    return masks[shape]
-
-
-def _blocks(states: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Positions lo..hi of one layer's keys or values in float32, zeros (or a float32 buffer's finite
-    room) past the held ones.  # states [kv_heads, held, dim] -> [kv_heads, hi - lo, dim]"""
-    kv_heads, held, dim = states.shape
-    if hi <= held:
-        return states[:, lo:hi].float()
-    if states.dtype == torch.float32 and _room(states) >= hi:
-        return states.as_strided((kv_heads, hi, dim), states.stride(), states.storage_offset())[:, lo:]
-    part = states.new_zeros(kv_heads, hi - lo, dim, dtype=torch.float32)
-    part[:, : held - lo] = states[:, lo:]
-    return part
-
-
-def _room(states: torch.Tensor) -> int:
-    """Positions a [kv_heads, held, dim] view of a [kv_heads, capacity, dim] buffer may read (0 where it
-    is no such view)."""
-    kv_heads, _, dim = states.shape
-    if states.stride(2) != 1 or states.stride(1) != dim or states.stride(0) % dim:
-        return 0
-    capacity = states.stride(0) // dim
-    last = states.storage_offset() + (kv_heads - 1) * states.stride(0) + capacity * dim
-    if last * states.element_size() > states.untyped_storage().nbytes():
-        return 0
-    return capacity
 
 
 def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> None:
@@ -535,30 +434,3 @@ def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed
                     f"{dtype} attention at position {p} differs alone, in a round and in a prefill "
                     "on this machine"
                 )
-
-
-def softcapped_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float | None,
-    softcap: float,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention whose scores are capped softly, softcap * tanh(q.k * scaling / softcap), as Gemma 2
-    defines it (scaled_dot_product_attention has no such step); the plain path's, with a mask; the
-    softmax runs in float32.
-
-    query [1, heads, n, head_dim]; keys, values [1, kv_heads, held, head_dim]
-    mask: [n, held] bool (True: seen), or None for all
-    returns [1, heads, n, head_dim]
-    """
-    groups = query.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, values)

@@ -15,15 +15,16 @@ from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
-from verifier_service.engine import GrowingLayer, PrefixCache, PrefixCacheConfig, TargetEngine, _Cache
+from verifier_service.engine import PrefixCacheConfig, TargetEngine
+from verifier_service.kv import GrowingLayer, PrefixCache, SessionCache
 from verifier_service.servicer import ServerConfig, start_server
 from verifier_service.session import reference_decode
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
-def _cache(tokens: list[int], layers: int = 2) -> _Cache:
-    cache = _Cache([GrowingLayer() for _ in range(layers)])
+def _cache(tokens: list[int], layers: int = 2) -> SessionCache:
+    cache = SessionCache([GrowingLayer() for _ in range(layers)])
     for layer in cache.layers:
         states = torch.zeros(1, 1, len(tokens), 4)
         layer.append(states, states)

@@ -15,7 +15,8 @@ import torch
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from verifier_service.admission import AdmissionConfig
-from verifier_service.engine import GrowingLayer, PrefixCache, PrefixCacheConfig, TargetEngine, _Cache
+from verifier_service.engine import PrefixCacheConfig, TargetEngine
+from verifier_service.kv import GrowingLayer, PrefixCache, SessionCache
 from verifier_service.servicer import ServerConfig, start_server
 from verifier_service.stream import available_memory, sized
 
@@ -52,8 +53,8 @@ def test_a_taken_cache_gives_back_capacity_past_the_new_sessions_limit():
     assert torch.equal(keys, states[..., :30, :])  # the kept positions survive the shrink
 
 
-def _cache(tokens: list[int]) -> _Cache:
-    cache = _Cache([GrowingLayer() for _ in range(2)])
+def _cache(tokens: list[int]) -> SessionCache:
+    cache = SessionCache([GrowingLayer() for _ in range(2)])
     for layer in cache.layers:
         states = torch.zeros(1, 1, len(tokens), 4)
         layer.append(states, states)

@@ -11,7 +11,8 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 
 from tests.capability import dtype_params
 from verifier_service import invariant
-from verifier_service.invariant import block_attention, make_invariant, pack_weight, packed_linear
+from verifier_service.attention import block_attention
+from verifier_service.invariant import make_invariant, pack_weight, packed_linear
 
 DTYPES = dtype_params(torch.float32, torch.bfloat16)
 pytestmark = pytest.mark.skipif(
@@ -72,6 +73,44 @@ def test_the_calls_the_load_keeps_are_invariant_at_every_row_count(dtype, thread
         if not torch.equal(packed_linear(x[:n], packed, None, min_rows, most)[n - 1], alone[n - 1][0])
     ]
     assert changed == [], f"calls of up to {most} rows"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_checks_verdict_on_a_large_shape_is_the_truth(dtype, threads):
+    """Qwen2.5-1.5B's down projection, 8960 -> 1536 (a large shape, checked at sampled counts): the check
+    passes it exactly where every row of every count up to one call (all to 65, then every 7th) has the
+    bits it has alone. A check that compared only each count's first and last rows passed it in
+    bfloat16 on a Xeon with AMX at one thread, where rows between them changed among 28 to 128 rows."""
+    _, min_rows, most = invariant.ROW_POLICY[dtype]
+    try:
+        invariant.check_linear(dtype, {(8960, 1536)}, min_rows=min_rows, max_rows=most)
+        passed = True
+    except invariant.NotInvariant:
+        passed = False
+    g = torch.Generator().manual_seed(3)
+    packed = pack_weight((torch.randn(1536, 8960, generator=g) / 8960**0.5).to(dtype))
+    x = torch.randn(most, 8960, generator=g).to(dtype)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, None, min_rows, most) for i in range(most)])
+    counts = sorted({*range(1, 66), *range(66, most, 7), most})
+    changed = [
+        n for n in counts if not torch.equal(packed_linear(x[:n], packed, None, min_rows, most), alone[:n])
+    ]
+    assert passed == (changed == []), f"check passed: {passed}; rows changed among {changed[:8]}... rows"
+
+
+def test_a_kernel_whose_bits_follow_the_thread_count_is_refused(monkeypatch, threads):
+    """Row-invariant at every count, yet other bits at another thread count: the check refuses it, since
+    two verifiers of one numerics identity may run different thread counts. (A stand-in kernel: the
+    real one of this CPU may or may not do it.)"""
+    real = invariant._linear_of
+
+    def by_threads(weight, kernels, min_rows, max_rows=None):
+        linear = real(weight, kernels, min_rows, max_rows)
+        return lambda x: linear(x) + torch.get_num_threads()
+
+    monkeypatch.setattr(invariant, "_linear_of", by_threads)
+    with pytest.raises(invariant.NotInvariant, match=f"at {3 - threads} threads than at {threads}"):
+        invariant.check_linear(torch.float32, [(96, 160)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
