@@ -19,7 +19,6 @@ from draftwire_cli.flags import (
     add_edge_app,
     add_edge_safety,
     add_json,
-    add_limits,
     add_logprobs,
     add_prompt,
     add_sampling,
@@ -35,6 +34,7 @@ from draftwire_cli.flags import (
     seconds,
     server_address,
 )
+from draftwire_cli.limit_flags import add_limits
 from draftwire_cli.models.pairs import PAIRS
 from verifier_service.settings import SERVE_PREFIX_CACHE_BYTES, BatchConfig, PrefixCacheConfig, VerifierLimits
 

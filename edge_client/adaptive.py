@@ -55,6 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from draftwire.speculation import AcceptanceCounts, BesideFit, CostLine
+from edge_client.policy import ModelRule, Rule, StepRule
 from edge_client.speed_model import (
     Costs,
     Estimates,
@@ -92,6 +93,10 @@ class TunerConfig:
     probe_after: int = 16  # plain steps before the first probe; doubled after each failed probe
     max_probe_after: int = 256
     hand_off: bool = True  # off hands decoding to the verifier where it can, instead of plain steps
+    # How γ and depth move while speculation is on (Rule): "model", the setting the speed model promises
+    # the most tokens/s; "step", Hugging Face's +2/-1 on γ at the initial depth. Both keep the same
+    # estimates and the same fallback (speculation off, probes).
+    rule: str = "model"
 
 
 def _costs(draft: CostLine, verify: CostLine, verify_measured: Mapping[int, float]) -> Costs:
@@ -204,13 +209,13 @@ class Tuner:
         # positions -> forwards timed there, each decayed by 1 - smoothing a forward since: how lately
         # each size was timed, either way (_with_server)
         self._timed: dict[int, float] = {}
-        self._last_move = 0
+        self.last_move = 0  # verified rounds seen at the last move (settled)
+        self.rule: Rule = ModelRule() if c.rule == "model" else StepRule(*self.choice)
         self._probe_after = self.config.probe_after
         self._plain_since = 0  # plain steps since speculation turned off (or since the last probe)
         self._probing = False
         self._server = False  # off hands decoding to the verifier (choose's `server`)
         self._server_costs: dict[int, float] = {}  # the verifier's V(n), by positions (observe_server_costs)
-        self._trial: tuple[int, int] | None = None  # the setting left to try depth 0, while trying it
 
     @property
     def state(self) -> str:
@@ -232,6 +237,7 @@ class Tuner:
         # Every position's counts decay each round, judged or not: what a position not reached lately
         # (γ moved below it) once showed fades, and it borrows the pooled rate again.
         self._acceptance.round(draft_tokens, accepted, cut)
+        self.rule.observe(draft_tokens, accepted, cut)
 
     def observe_leg(self, tokens: int) -> None:
         """The verifier decoded `tokens` alone (a leg, speculation off): each counts as a plain step
@@ -378,44 +384,37 @@ class Tuner:
             min(max(self.choice[0], gammas[0]), gammas[-1]),
             min(max(self.choice[1], depths[0]), depths[-1]),
         )
-        drafted = self.draft.seen or self.draft_ahead.seen
-        ready = self.rounds >= c.warmup and drafted and self.rtt_s is not None
-        if ready and self.rounds - self._last_move >= c.dwell:
-            est = self.estimates()
-            if plain and self._off(est, gammas, depths, current):
+        if self.settled():
+            if plain and self._off(self.estimates(), gammas, depths, current):
                 self.choice = (0, 0)
                 return self.choice
             if self._probing:  # the probe found speculation paying: on again
                 self._probing, self._probe_after = False, c.probe_after
                 self.reason = "speculation on: a probe found it paying"
-            step = range(
-                max(gammas[0], current[0] - c.max_step), min(gammas[-1], current[0] + c.max_step) + 1
-            )
-            target = best_setting(est, step, depths, current)
-            staying = tokens_per_second(est, *current)
-            trial, self._trial = self._trial, None
-            if trial is not None and staying <= (1 + c.margin) * tokens_per_second(est, *trial):
-                # Depth 0 was a trial: it stays only where it proved itself by the margin, else the best
-                # other setting takes over with no margin to beat.
-                others = [(g, d) for g in step for d in depths if (g, d) != current]
-                target, staying = max(others, key=lambda s: tokens_per_second(est, *s)), 0.0
-            elif not self.turn_forwards and current[1] > 0 and depths[0] == 0:  # none seen in turn
-                in_turn = best_setting(est, step, range(0, 1))
-                if tokens_per_second(est, *in_turn) >= (1 - c.explore_margin) * staying:
-                    target, staying, self._trial = in_turn, 0.0, current
-            if target != current and tokens_per_second(est, *target) > (1 + c.margin) * staying:
-                current = target
-                self._last_move = self.rounds
-                self.moves += 1
+        if not self._probing:  # a probe holds its setting
+            current = self.rule.choose(self, gammas, depths, current)
         self.choice = current
         return current
+
+    def settled(self) -> bool:
+        """Whether the estimates may move the choice now: `warmup` verified rounds seen, something
+        drafted and a round trip timed, and `dwell` rounds since the last move."""
+        c = self.config
+        drafted = self.draft.seen or self.draft_ahead.seen
+        ready = self.rounds >= c.warmup and drafted and self.rtt_s is not None
+        return ready and self.rounds - self.last_move >= c.dwell
+
+    def moved(self) -> None:
+        """The rule moved the choice: the hysteresis counts from here."""
+        self.last_move = self.rounds
+        self.moves += 1
 
     def _off(self, est: Estimates, gammas: range, depths: range, current: tuple[int, int]) -> bool:
         """Whether to turn speculation off now: plain steps promise `off_margin` more tokens/s than the best
         speculative setting on the whole grid, after at least `off_window` rounds since the last move
         (a probe's rounds are enough to turn it off again). Says why in `reason`."""
         c = self.config
-        if not self._probing and self.rounds - self._last_move < c.off_window:
+        if not self._probing and self.rounds - self.last_move < c.off_window:
             return False
         plain = off_tokens_per_second(est, self._probe_after if self._server else None)
         if plain <= (1 + c.off_margin) * tokens_per_second(est, *current):
@@ -427,7 +426,7 @@ class Tuner:
         if self._probing:
             self._probe_after = min(2 * self._probe_after, c.max_probe_after)
         self._probing, self._plain_since = False, 0
-        self._last_move = self.rounds
+        self.last_move = self.rounds
         self.offs += 1
         self.moves += 1
         how = "decoding on the verifier promises" if self._server else "plain steps promise"
@@ -441,7 +440,7 @@ class Tuner:
         """Speculation again for `dwell` rounds, at the γ the model likes best and the shallowest depth
         allowed (unpipelined unless the request fixed a depth)."""
         self._probing, self._plain_since = True, 0
-        self._last_move = self.rounds
+        self.last_move = self.rounds
         self.probes += 1
         self.moves += 1
         gamma, _ = best_setting(self.estimates(), gammas, range(depth, depth + 1))

@@ -117,6 +117,33 @@ def test_across_classes_the_one_default_against_each_fixed_setting_measured_ever
         across(disjoint)
 
 
+def test_the_step_rules_row_is_compared_with_the_models_and_not_taken_for_a_fixed_setting():
+    """A run with both adaptive rows (--rules model,step): the step rule's row (pipeline -2) is no
+    fixed setting, so it is never the best fixed one; over the set it is read against the model's."""
+    config = BenchConfig(Path("t"), Path("d"), None, ((1, 2),), rtts_ms=(0,))
+    alone = {"greedy": Row("a", "alone", "greedy", tokens=200, wall_s=100.0, outputs=OUT)}
+    adaptive = "draftwire, adaptive (ended at γ 4, depth 2; 1 moves)"
+
+    def report(rates):
+        rows = [row(s, r, 0, adaptive if s[1] < 0 else "draftwire") for s, r in rates.items()]
+        return summarize(config, alone, rows)
+
+    reports = {
+        "haiku": report({(4, 2): 3.0, (0, -1): 3.9, (0, -2): 4.5}),
+        "chat": report({(4, 2): 7.0, (0, -1): 6.8, (0, -2): 6.0}),
+    }
+    (point,) = reports["haiku"]["points"]
+    assert point["best_fixed"] == [4, 2] and point["rank"] == 1 and point["step_tokens_per_s"] == 4.5
+    assert "greedy/rtt0/step" in reports["haiku"]["exact"]
+    o = across(reports)["overall"]
+    assert set(o["fixed"]) == {"4,2"}
+    assert o["step"]["sum"] == pytest.approx(10.5) and o["adaptive"]["sum"] == pytest.approx(10.7)
+    assert o["step_of_model"]["sum"] == pytest.approx(10.5 / 10.7)
+    assert o["step_of_model"]["geomean"] == pytest.approx((4.5 * 6.0) ** 0.5 / (3.9 * 6.8) ** 0.5)
+    table = across_markdown(across(reports))
+    assert "| adaptive, step rule | 10.5 |" in table and "over the model's: 0.981 by sum" in table
+
+
 def test_far_of_near_is_each_class_and_modes_longest_rtt_over_its_shortest():
     def point(cls, mode, rtt, rate, fixed=None):
         return {

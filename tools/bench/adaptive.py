@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from edge_client.adaptive import Tuner
+from edge_client.adaptive import Tuner, TunerConfig
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.arms import BenchConfig, Row, add_pair_flags, params_for, route
@@ -45,11 +45,14 @@ from tools.rig import devices
 WITHIN = 0.05  # adaptive is "within" at a point when it reaches (1 - WITHIN) of the best fixed setting
 
 
-async def run_all(config: BenchConfig, log=print, repeats: int = 1, rtts_together: bool = False) -> dict:
+async def run_all(
+    config: BenchConfig, log=print, repeats: int = 1, rtts_together: bool = False, rules=("model",)
+) -> dict:
     """Every point: the adaptive row, then each fixed (γ in config.gammas, depth in config.pipelines),
     `repeats` interleaved passes each. `rtts_together`: a pass holds every RTT's rows, taking turns as
     the settings do, so that the machine's drift between points (15-20 minutes apart on the Qwen pair)
-    falls on each RTT alike and the longer RTT's figures over loopback's compare like with like."""
+    falls on each RTT alike and the longer RTT's figures over loopback's compare like with like.
+    `rules`: an adaptive row for each (TunerConfig.rule), taking turns with the rest."""
     from tools.bench import target_arms
 
     reference = {r.mode: r for r in target_arms.in_child(config, log) if r.arm == "a"}
@@ -58,7 +61,8 @@ async def run_all(config: BenchConfig, log=print, repeats: int = 1, rtts_togethe
     server = devices.verifier(config.target_dir, *flags, **config.devices)
     drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
     rows: list[Row] = []
-    settings = [(None, None)] + [(g, d) for g in config.gammas for d in config.pipelines]
+    settings = [(None, None)] * len(rules) + [(g, d) for g in config.gammas for d in config.pipelines]
+    tuners = [TunerConfig(rule=rule) for rule in rules] + [None] * (len(settings) - len(rules))
     groups = [tuple(config.rtts_ms)] if rtts_together else [(rtt,) for rtt in config.rtts_ms]
     with server:
         host, port = server.address.rsplit(":", 1)
@@ -76,8 +80,17 @@ async def run_all(config: BenchConfig, log=print, repeats: int = 1, rtts_togethe
                         )
                         # Each pass starts the rotation elsewhere, so no setting always runs first.
                         turns = [(g, d, rtt) for rtt in group for g, d in settings]
+                        configs = tuners * len(group)
                         order = turns[repeat:] + turns[:repeat]
-                        here = await interleaved(config, drafter, addresses, server.address, mode, order)
+                        here = await interleaved(
+                            config,
+                            drafter,
+                            addresses,
+                            server.address,
+                            mode,
+                            order,
+                            configs[repeat:] + configs[:repeat],
+                        )
                         for row in here:
                             row.repeat = repeat
                         rows += here
@@ -121,17 +134,24 @@ async def interleaved(config, drafter, addresses, upstream, mode, settings, tune
             for run in runs[turn:] + runs[:turn]:
                 await run.prompt(i)
         rows = [run.row() for run in runs]
-    for row, (_, depth, _) in zip(rows, settings, strict=True):
-        row.pipeline = -1 if depth is None else depth  # -1: the adaptive row
+    for row, (_, depth, _), tuner in zip(rows, settings, tuners or [None] * len(rows), strict=True):
+        if depth is None:  # an adaptive row: -1 the model's rule, -2 the step rule's
+            depth = -2 if tuner is not None and tuner.rule == "step" else -1
+        row.pipeline = depth
         add_bound(row)
     return rows
 
 
 ADAPTIVE = "adaptive"
+STEP = "step rule"  # the adaptive row of TunerConfig(rule="step"), where a run has one
+
+
+def _key(gamma: int, pipeline: int) -> str | tuple[int, int]:
+    return {-1: ADAPTIVE, -2: STEP}.get(pipeline, (gamma, pipeline))
 
 
 def _setting(row: Row) -> str | tuple[int, int]:
-    return ADAPTIVE if row.pipeline == -1 else (row.gamma, row.pipeline)
+    return _key(row.gamma, row.pipeline)
 
 
 def summarize(
@@ -149,7 +169,7 @@ def summarize(
                     here.setdefault(_setting(r), []).append(r)
             rates = {k: [r.tokens_per_s for r in v] for k, v in here.items()}
             median = {k: statistics.median(v) for k, v in rates.items()}
-            fixed = [k for k in here if k != ADAPTIVE]
+            fixed = [k for k in here if k not in (ADAPTIVE, STEP)]
             best = max(fixed, key=median.__getitem__)
             for k in fixed:
                 fixed_rates.setdefault(k, []).append(median[k])
@@ -177,12 +197,15 @@ def summarize(
                     "fixed_settings": len(fixed),
                 }
             )
-    overall = over_the_set([p["adaptive_tokens_per_s"] for p in points], fixed_rates)
+            if STEP in median:
+                points[-1]["step_tokens_per_s"] = median[STEP]
+    step = [p["step_tokens_per_s"] for p in points if "step_tokens_per_s" in p]
+    overall = over_the_set([p["adaptive_tokens_per_s"] for p in points], fixed_rates, step)
     overall["within_at_every_point"] = all(p["within"] for p in points)
     passes = max(r.repeat for r in rows) + 1
     exact = {
         f"{r.mode}/rtt{r.rtt_ms:g}/"
-        + ("adaptive" if r.pipeline == -1 else f"g{r.gamma}/p{r.pipeline}")
+        + {-1: "adaptive", -2: "step"}.get(r.pipeline, f"g{r.gamma}/p{r.pipeline}")
         + (f"/pass{r.repeat + 1}" if passes > 1 else ""): (r.outputs == reference[r.mode].outputs)
         for r in rows
     }
@@ -214,6 +237,7 @@ def rtt_ratios(rows: list[dict]) -> list[dict]:
     for (rtt, mode), rates in _by_point(rows, lambda r: r["tokens_per_s"]).items():
         medians = {k: statistics.median(v) for k, v in rates.items()}
         adaptive = medians.pop(ADAPTIVE)
+        medians.pop(STEP, None)
         points.append(
             {
                 "mode": mode,
@@ -226,9 +250,12 @@ def rtt_ratios(rows: list[dict]) -> list[dict]:
     return far_of_near(points)
 
 
-def over_the_set(adaptive_rates: list[float], fixed_rates: dict[tuple[int, int], list[float]]) -> dict:
+def over_the_set(
+    adaptive_rates: list[float], fixed_rates: dict[tuple[int, int], list[float]], step_rates=()
+) -> dict:
     """The adaptive row against each fixed setting over a set of points: each one's tokens/s (a median
-    over passes) summed, and their geometric mean (every point weighing alike, whatever its speed)."""
+    over passes) summed, and their geometric mean (every point weighing alike, whatever its speed).
+    `step_rates`: the step rule's adaptive row at the same points, where the run has one."""
     overall = {
         "adaptive": {"sum": sum(adaptive_rates), "geomean": _geomean(adaptive_rates)},
         "fixed": {f"{g},{d}": {"sum": sum(v), "geomean": _geomean(v)} for (g, d), v in fixed_rates.items()},
@@ -239,6 +266,11 @@ def over_the_set(adaptive_rates: list[float], fixed_rates: dict[tuple[int, int],
     overall["best_fixed_by_geomean"] = best_geo[0]
     overall["beats_every_fixed_by_sum"] = overall["adaptive"]["sum"] > best_sum[1]["sum"]
     overall["beats_every_fixed_by_geomean"] = overall["adaptive"]["geomean"] > best_geo[1]["geomean"]
+    if step_rates and len(step_rates) == len(adaptive_rates):
+        overall["step"] = {"sum": sum(step_rates), "geomean": _geomean(list(step_rates))}
+        overall["step_of_model"] = {
+            k: overall["step"][k] / overall["adaptive"][k] for k in ("sum", "geomean")
+        }
     return overall
 
 
@@ -257,7 +289,7 @@ def across(reports: dict[str, dict]) -> dict:
             if alone.get(p["mode"]):
                 points[-1]["of_alone"] = p["adaptive_tokens_per_s"] / alone[p["mode"]]
             medians.append({k: statistics.median(v) for k, v in here[(p["rtt_ms"], p["mode"])].items()})
-    common = set.intersection(*(set(m) for m in medians)) - {ADAPTIVE}
+    common = set.intersection(*(set(m) for m in medians)) - {ADAPTIVE, STEP}
     if not common:
         raise ValueError("the runs share no fixed (γ, depth) measured at every point: nothing to compare")
     fixed = {k: [m[k] for m in medians] for k in sorted(common)}
@@ -268,7 +300,7 @@ def across(reports: dict[str, dict]) -> dict:
         "commands": {name: r.get("command", "") for name, r in reports.items()},
         "points": points,
         "overall": {
-            **over_the_set([m[ADAPTIVE] for m in medians], fixed),
+            **over_the_set([m[ADAPTIVE] for m in medians], fixed, [m[STEP] for m in medians if STEP in m]),
             "within_at_every_point": all(p["within"] for p in points),
         },
         "far_of_near": far_of_near(points),
@@ -356,6 +388,11 @@ def _set_table(o: dict) -> list[str]:
         "|---|---|---|",
         f"| **adaptive** | {o['adaptive']['sum']:.1f} | {o['adaptive']['geomean']:.2f} |",
         *(
+            [f"| adaptive, step rule | {o['step']['sum']:.1f} | {o['step']['geomean']:.2f} |"]
+            if "step" in o
+            else []
+        ),
+        *(
             f"| fixed γ {k.replace(',', ', depth ')} | {v['sum']:.1f} | {v['geomean']:.2f} |"
             for k, v in fixed
         ),
@@ -368,6 +405,15 @@ def _verdict(o: dict) -> list[str]:
         f"beats every fixed setting over the set: by sum {_yes(o['beats_every_fixed_by_sum'])}"
         f" (best fixed {o['best_fixed_by_sum']}), by geometric mean "
         f"{_yes(o['beats_every_fixed_by_geomean'])} (best fixed {o['best_fixed_by_geomean']})",
+        *(
+            [
+                "the step rule (+2/-1 on γ, fixed depth) over the model's: "
+                f"{o['step_of_model']['sum']:.3f} by sum, "
+                f"{o['step_of_model']['geomean']:.3f} by geometric mean"
+            ]
+            if "step_of_model" in o
+            else []
+        ),
     ]
 
 
@@ -476,7 +522,7 @@ def _by_point(rows: list[dict], value) -> dict[tuple[float, str], dict]:
     row, one a pass."""
     grouped: dict[tuple[float, str], dict] = {}
     for r in rows:
-        setting = ADAPTIVE if r["pipeline"] == -1 else (r["gamma"], r["pipeline"])
+        setting = _key(r["gamma"], r["pipeline"])
         grouped.setdefault((r["rtt_ms"], r["mode"]), {}).setdefault(setting, []).append(value(r))
     return grouped
 
@@ -502,6 +548,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each pass holds every RTT's rows, taking turns: the RTTs then compare free of the "
         "machine's drift between points",
+    )
+    p.add_argument(
+        "--rules",
+        type=lambda v: tuple(v.split(",")),
+        default=("model",),
+        help="an adaptive row for each of these rules (model, step: edge_client.adaptive.Rule)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/adaptive"), help="adaptive.json, adaptive.md")
     return p
@@ -548,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda m: print(m, file=sys.stderr, flush=True),
             repeats=args.repeats,
             rtts_together=args.rtts_together,
+            rules=args.rules,
         )
     )
     report["command"] = " ".join(["python -m tools.bench.adaptive", *argv])

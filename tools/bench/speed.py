@@ -225,7 +225,7 @@ def model_at_own_acceptance(row: dict) -> float | None:
     None where the row has no tuner, no acceptance or no γ."""
     view, acceptance = row.get("tuner"), row.get("acceptance")
     gamma, depth = row["gamma"], row["pipeline"]
-    if depth == -1:  # adaptive: where its path ended
+    if depth < 0:  # adaptive: where its path ended
         gamma, depth = (row.get("tuner_path") or [[0, 0, 0]])[-1][:2]
     if not view or not acceptance or not gamma:
         return None
