@@ -115,12 +115,18 @@ class LlamaDrafter(VocabOnly):
         stop_token_ids: Collection[int] = (),
         prompt_length: int = 0,
         matcher: Matcher | None = None,
+        most: int = 0,
     ) -> list[int]:
         """Drafts up to `gamma` tokens after `sequence` (the committed tokens, then any the edge assumes
         will be; the prompt its `prompt_length` first), choosing each with the verifier's rules (the
         session's logit bias and penalties over the tokens before it, the constraint's mask when
         `matcher` is given, then its choice with keyed noise), so that it proposes what the target would
-        choose; stops early after a stop token, since nothing after one can be committed."""
+        choose; stops early after a stop token, since nothing after one can be committed.
+
+        Where the constraint allows one token alone (a JSON key, a brace, a quote: llguidance's
+        fast-forward tokens), the target takes it too: it is appended with no draft step and counts
+        nothing of γ, up to `most` tokens in all (0: `gamma`), and llama.cpp runs a run of them at once
+        with the next token's step."""
         if not sequence:
             raise ValueError("cannot draft from an empty sequence")
         self._sync(sequence)
@@ -128,17 +134,29 @@ class LlamaDrafter(VocabOnly):
         # A sequence the draft's matcher refuses (it cannot, where both sides mask alike): draft unmasked.
         masked = matcher is not None and matcher.follow(generated) == len(generated)
         draft: list[int] = []
-        for i in range(gamma):
-            scores = adjusted_logits(self._last_logits()[None], params, [*sequence, *draft], prompt_length)
-            if masked:
-                scores = masked_logits(scores, matcher.allowed()[None])
-            token = int(choose_tokens(scores, len(sequence) + i, params)[0])
-            draft.append(token)
-            if i == gamma - 1 or token in stop_token_ids:
-                break
+        pending: list[int] = []  # drafted, not yet run through the draft model
+        chosen, most = 0, max(most, gamma)
+        while len(draft) < most:
+            new = matcher.forced()[: most - len(draft)] if masked else []
+            if not new:
+                if chosen == gamma:
+                    break
+                self._eval(pending)
+                pending = []
+                scores = adjusted_logits(
+                    self._last_logits()[None], params, [*sequence, *draft], prompt_length
+                )
+                if masked:
+                    scores = masked_logits(scores, matcher.allowed()[None])
+                new = [int(choose_tokens(scores, len(sequence) + len(draft), params)[0])]
+                chosen += 1
+            stop = next((i for i, t in enumerate(new) if t in stop_token_ids), None)
+            if stop is not None:
+                return draft + new[: stop + 1]
+            draft += new
+            pending += new
             if masked and matcher.follow([*generated, *draft]) < len(generated) + len(draft):
                 break
-            self._eval([token])
         return draft
 
     def constraint_matcher(self, constraint: Constraint, eos_token_ids: Sequence[int]) -> Matcher | None:
@@ -166,6 +184,8 @@ class LlamaDrafter(VocabOnly):
         self._eval(list(sequence[keep:]))
 
     def _eval(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
         self.llm.eval(tokens)
         self._cached += tokens
         self.evaluated_positions += len(tokens)

@@ -186,6 +186,9 @@ class DraftJob:
     # Speculation off, decoding handed to the verifier (edge_client.adaptive): the tokens it decodes
     # alone, in a thin session, before the edge takes the session back. Nothing is drafted or sent here.
     handoff: int = 0
+    # The most tokens the drafter may return (0: `gamma`): the verifier's cap on a proposal, which
+    # tokens a constraint forces fill past γ at no draft step (LlamaDrafter.propose).
+    most: int = 0
 
 
 class Planner:
@@ -248,7 +251,9 @@ class Planner:
             if gamma == 0 and self._hand_off:  # speculation off: the verifier decodes the next leg
                 left = self.budget - (len(self.committed) - self._prompt_length)
                 return DraftJob(list(self.committed), 0, False, min(self.tuner.leg_tokens(), left))
-            return DraftJob(list(self.committed), gamma, False)  # γ 0: a plain step, nothing to draft
+            return DraftJob(
+                list(self.committed), gamma, False, most=max(gamma, self.max_gamma)
+            )  # γ 0: a plain step
         last = live[-1]
         base = [*last.prefix, *last.draft]
         if len(live) > depth or last.final or self._blocked == len(base):
@@ -258,7 +263,9 @@ class Planner:
             return None
         for sent in self.in_flight:
             sent.ahead = True
-        return DraftJob(base, gamma + 1, True)
+        return DraftJob(
+            base, gamma + 1, True, most=max(gamma, self.max_gamma) + 1
+        )  # the guess is no draft token
 
     def setting(self) -> tuple[int, int]:
         """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""

@@ -47,7 +47,7 @@ class Proposer:
         params = request.sampling
         executor, prompt_length = self.drafter.executor, len(request.prompt_token_ids)
         matcher = await self._matcher(request, eos_token_ids)
-        extra = {"matcher": matcher} if matcher is not None else {}
+        extra = {"matcher": matcher, "most": job.most} if matcher is not None else {}
         propose = functools.partial(self.drafter.propose, **extra)
         if executor is None:
             return propose(job.base, job.gamma, params, stops, prompt_length)

@@ -185,6 +185,24 @@ def test_the_draft_proposes_under_the_mask(server, drafters, prompts, tokenizer)
     assert schema > 0.5
 
 
+def test_forced_tokens_cost_no_draft_step_and_no_gamma(drafters, prompts, tokenizer):
+    """Where the schema allows one token alone (the opening brace, a key, its quotes), the draft appends
+    it without a draft step and without spending γ, up to the proposal's cap (`most`). The tokens it
+    gives are what the target under the same mask would write (the tests above)."""
+    drafter, prompt = drafters["q8_0"], list(prompts[0])
+    matcher = drafter.constraint_matcher(CONSTRAINTS["json_schema"], [tokenizer.eos_token_id])
+    forced = len(matcher.forced())
+    assert forced >= 2, tokenizer.decode(matcher.forced())  # a run to begin with: {"name":"...
+    drafter.propose(prompt[:-1], 1, GREEDY)  # the prompt (all but its last token) in the draft's cache
+    before = drafter.evaluated_positions
+    draft = drafter.propose(prompt, 1, GREEDY, (), len(prompt), matcher=matcher, most=8)
+    assert len(draft) == forced + 1 + len(matcher.forced()[: 8 - forced - 1])  # forced, one choice, forced
+    # One step for the prompt's last token, one for the forced run: none for each forced token.
+    assert drafter.evaluated_positions - before == 1 + forced
+    assert len(drafter.propose(prompt, 1, GREEDY, (), len(prompt), matcher=matcher, most=2)) == 2
+    assert drafter.propose(prompt, 1, GREEDY, (), len(prompt), matcher=matcher) == draft[:1]  # no cap: γ
+
+
 @pytest.mark.parametrize("name", ["json_schema", "regex"])
 def test_seeded_equals_reference_whatever_gamma_pipeline_and_draft(server, drafters, engine, prompts, name):
     constraint = CONSTRAINTS[name]

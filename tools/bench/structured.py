@@ -59,11 +59,12 @@ def request_for(arm: str, prompt, args) -> GenerationRequest:
 
 
 async def run_all(args, log=print) -> dict:
-    target = args.pair / smollm2.TARGET
+    target = args.target or args.pair / smollm2.TARGET
     prompts = chat_prompts(target, args.prompts)
     os.sched_setaffinity(0, args.edge_cpus)
-    drafter = LlamaDrafter(DrafterConfig(smollm2.draft_path(args.pair), n_threads=1))
+    drafter = LlamaDrafter(DrafterConfig(args.draft or smollm2.draft_path(args.pair), n_threads=1))
     flags = ["--max-gamma", "8", "--threads", str(len(args.verifier_cpus)), "--prefix-cache-mb", "0"]
+    flags += ["--dtype", args.dtype]
     totals = {arm: dict(tokens=0, wall_s=0.0, rounds=0, drafted=0, accepted=0, verify_s=0.0) for arm in ARMS}
     outputs: dict[str, list] = {arm: [] for arm in ARMS}
     with ServerProcess(target, *flags, cpus=args.verifier_cpus) as server:
@@ -148,8 +149,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"{c['prompts']} chat prompts, up to {c['new_tokens']} tokens each, greedy, γ {c['gamma']}, "
         f"pipeline {c['pipeline']}; verifier on cores {c['verifier_cpus']}, edge and draft on "
-        f"{c['edge_cpus']}; the SmolLM2 pair. The schema: an object of a title, up to 4 points and a "
-        "confidence (tools/bench/structured.py).",
+        f"{c['edge_cpus']}; target {c['target'] or 'SmolLM2 (the --pair)'}. The schema: an object of a "
+        "title, up to 4 points and a confidence (tools/bench/structured.py).",
         "",
         "| arm | tokens | tokens/s | vs the target alone, same constraint | acceptance | tokens/round "
         "| verify ms/round |",
@@ -178,6 +179,9 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", type=Path, default=smollm2.default_dir(), help="the SmolLM2 pair's directory")
+    ap.add_argument("--target", type=Path, default=None, help="another pair's target (default: the --pair's)")
+    ap.add_argument("--draft", type=Path, default=None, help="another pair's GGUF draft (with --target)")
+    ap.add_argument("--dtype", default="float32", help="the verifier's --dtype")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--gamma", type=int, default=4)
