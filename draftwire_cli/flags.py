@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from draftwire.contract import SamplingParams
 from draftwire_cli.cliargs import id_list
 
 # γ = 4 with two proposals in flight: the best greedy-and-sampled fixed setting of `draftwire bench` on
@@ -162,15 +163,27 @@ def add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
         default=max_new_tokens,
         help="tokens to generate at most (0: to the context's end)",
     )
-    p.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=count, default=0, help="sample among the K likeliest tokens (0 keeps all)")
+
+    def default(name):
+        return default_of(SamplingParams, name)
+
+    p.add_argument("--temperature", type=temperature, default=default("temperature"), help="0 is greedy")
     p.add_argument(
-        "--top-p", type=top_p, default=1.0, help="sample among the likeliest tokens of this total mass"
+        "--top-k",
+        type=count,
+        default=default("top_k"),
+        help="sample among the K likeliest tokens (0 keeps all)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=top_p,
+        default=default("top_p"),
+        help="sample among the likeliest tokens of this total mass",
     )
     p.add_argument(
         "--min-p",
         type=min_p,
-        default=0.0,
+        default=default("min_p"),
         help="then among the tokens at least this fraction as likely as the likeliest (0 keeps all)",
     )
     p.add_argument(
@@ -186,19 +199,19 @@ def add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
     g.add_argument(
         "--frequency-penalty",
         type=penalty,
-        default=0.0,
+        default=default("frequency_penalty"),
         help="OpenAI's: minus this times a token's count among the generated ones; -2 to 2",
     )
     g.add_argument(
         "--presence-penalty",
         type=penalty,
-        default=0.0,
+        default=default("presence_penalty"),
         help="OpenAI's: minus this once a token was generated; -2 to 2",
     )
     g.add_argument(
         "--repetition-penalty",
         type=bounded(float, 0, 10, low_open=True, what="above 0 and at most 10 (1 is off)"),
-        default=1.0,
+        default=default("repetition_penalty"),
         help="transformers': a seen token's logit divided (negative: multiplied) by it; 1 is off",
     )
     g.add_argument(
@@ -267,15 +280,20 @@ def add_client_security(p: argparse.ArgumentParser) -> None:
 
 
 def add_timeouts(p: argparse.ArgumentParser) -> None:
+    from edge_client.session import Timeouts
+
     g = p.add_argument_group("waiting on the verifier")
     g.add_argument(
         "--resume-timeout-s",
         type=seconds,
-        default=30.0,
+        default=default_of(Timeouts, "resume_s"),
         help="after UNAVAILABLE, keep re-opening (with backoff) this long without progress",
     )
     g.add_argument(
-        "--verdict-timeout-s", type=seconds, default=60.0, help="no verdict this long: the verifier is hung"
+        "--verdict-timeout-s",
+        type=seconds,
+        default=default_of(Timeouts, "verdict_s"),
+        help="no verdict this long: the verifier is hung (0: wait)",
     )
 
 
@@ -337,9 +355,19 @@ def add_edge_safety(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="listen on a non-loopback --host without an API key (warned: anyone reaching it can use it)",
     )
-    p.add_argument("--max-body", type=positive, default=1 << 20, help="bytes of a request body (1 MiB)")
+    from edge_client.config import EdgeConfig
+
     p.add_argument(
-        "--max-waiting", type=count, default=8, help="requests waiting for the draft; more get 429"
+        "--max-body",
+        type=positive,
+        default=default_of(EdgeConfig, "max_body"),
+        help="bytes of a request body",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=count,
+        default=default_of(EdgeConfig, "max_waiting"),
+        help="requests waiting for the draft; more get 429",
     )
     p.add_argument(
         "--model-alias",

@@ -54,3 +54,29 @@ def test_the_test_bites_a_flag_typed_with_another_default():
     args = parser().parse_args([*BARE_SERVE, "--max-batch", "31", "--idle-timeout-s", "59"])
     assert configs.batch(args).max_batch != BatchConfig().max_batch
     assert configs.limits(args)[1].idle_timeout_s != LifetimeConfig().idle_timeout_s
+
+
+def _differ(made, default, fields) -> dict:
+    return {
+        f: (getattr(made, f), getattr(default, f)) for f in fields if getattr(made, f) != getattr(default, f)
+    }
+
+
+def test_a_bare_generate_samples_and_waits_with_the_dataclasses_defaults():
+    """The edge's flags too: sampling (SamplingParams) and waiting on the verifier (Timeouts). The seed
+    is apart: greedy takes 0, a sampled run without one draws one."""
+    from draftwire.contract import SamplingParams
+    from edge_client.session import Timeouts
+
+    args = parser().parse_args(["generate", "--server", "127.0.0.1:1", "--draft", "d.gguf", "--prompt", "x"])
+    sampled = {f.name for f in dataclasses.fields(SamplingParams)} - {"seed", "logit_bias"}
+    assert _differ(configs.sampling(args), SamplingParams(), sampled) == {}
+    assert _differ(configs.timeouts(args), Timeouts(), ("verdict_s", "resume_s")) == {}
+
+
+def test_a_bare_edge_app_builds_its_config_with_the_dataclass_defaults():
+    from edge_client.config import EdgeConfig
+
+    args = parser().parse_args(["edge", "--server", "127.0.0.1:1", "--draft", "d.gguf"])
+    made = configs.edge_config(args, "127.0.0.1:1")
+    assert _differ(made, EdgeConfig("127.0.0.1:1"), ("max_body", "max_waiting", "gamma", "pipeline")) == {}
