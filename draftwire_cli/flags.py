@@ -195,6 +195,10 @@ def add_sampling(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="generate max-new-tokens whatever the target says"
     )
+    _add_penalties(p, default)
+
+
+def _add_penalties(p: argparse.ArgumentParser, default) -> None:
     g = p.add_argument_group("penalties and bias (applied by the target, and the draft, at every position)")
     g.add_argument(
         "--frequency-penalty",
