@@ -63,21 +63,17 @@ BACKENDS = ("onednn", "portable")  # what --kernels names besides auto (verifier
 # the one-row kernel differs from the many-row one, as in float32, so a lone row is padded there too.
 # PADDINGS are the minimums tried: `make_invariant` times a lone row through the model's linear layers
 # at each and keeps the faster (`choose_padding`); which wins is the CPU's (docs/portability.md).
+# The most rows of one call are what the load proves (proven_rows): larger calls would run a prefill
+# faster (oneDNN's bfloat16 kernels on a Xeon with AMX took 2.2x as long in calls of 128 rows as in one
+# of 2,000), but only a check of every row count up to the most proves a size, and that costs the square
+# of it at load: calls of up to 1,024 bfloat16 rows, checked at sampled counts, passed on a Xeon with
+# AMX, yet 1536 -> 576 gave rows other bits among 201, 202, 247, 252 and 256 rows, and a Ray pool under
+# load wrote other tokens.
 ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
     torch.float32: (32, 4, 256),
     torch.bfloat16: (1, 4, 128),
 }
 PADDINGS = (2, 4)
-# The most rows of one onednn call, tried largest first at load: the largest the check proves invariant
-# on the model's shapes here is kept. Larger calls would run a prefill faster (oneDNN's bfloat16 kernels
-# on a Xeon with AMX took 2.2x as long in calls of 128 rows as in one of 2,000), but only a check of
-# every row count up to the most proves a size, and that costs the square of it at load: calls of up to
-# 1,024 bfloat16 rows, checked at sampled counts, passed on a Xeon with AMX, yet 1536 -> 576 gave rows
-# other bits among 201, 202, 247, 252 and 256 rows, and a Ray pool under load wrote other tokens.
-MAX_ROWS_TRIED: dict[torch.dtype, tuple[int, ...]] = {
-    torch.float32: (256,),
-    torch.bfloat16: (128,),
-}
 # portable: the rows of every call, per device type. A decode pads its one row to this many, which a
 # GPU does not feel; on CPU, where a row costs compute, fewer.
 PORTABLE_ROWS = {"cpu": 16}
@@ -251,28 +247,23 @@ def make_invariant(
             if backend == "portable":
                 check_linear(dtype, set(own), min_rows=padding, kernels=backend, device=weight.device)
                 continue
-            most = largest_invariant_rows(dtype, own, padding)
+            most = proven_rows(dtype, own, padding)
             for module in layers:
                 module.max_rows = most
         check_attention(weight.dtype, weight.device)
     return padding
 
 
-def largest_invariant_rows(
+def proven_rows(
     dtype: torch.dtype, shapes: Mapping[tuple[int, int], nn.Module] | set[tuple[int, int]], min_rows: int
 ) -> int:
-    """The largest of MAX_ROWS_TRIED whose onednn calls `check_linear` proves row-invariant on `shapes`
-    here (a mapping to packed layers checks those layers' own weights). Raises NotInvariant, the
-    smallest's reason, when none is."""
+    """ROW_POLICY's most rows of one onednn call, once `check_linear` proves calls of up to that many
+    row-invariant on `shapes` here (a mapping to packed layers checks those layers' own weights); raises
+    NotInvariant where it does not."""
+    most = ROW_POLICY[dtype][2]
     layers = shapes if isinstance(shapes, Mapping) else None
-    for most in MAX_ROWS_TRIED[dtype]:
-        try:
-            check_linear(dtype, set(shapes), min_rows=min_rows, max_rows=most, layers=layers)
-        except NotInvariant as e:
-            failure = e
-            continue
-        return most
-    raise failure
+    check_linear(dtype, set(shapes), min_rows=min_rows, max_rows=most, layers=layers)
+    return most
 
 
 def _release_weight(module: nn.Module, files: list[tuple[int, int]]) -> None:

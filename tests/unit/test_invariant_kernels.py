@@ -57,12 +57,12 @@ def test_linear_rows_equal_alone_for_any_row_count(dtype, fan_in, fan_out, threa
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_calls_the_load_keeps_are_invariant_at_every_row_count(dtype, threads):
-    """The most rows of a call that the load proves (largest_invariant_rows) give each row the same bits
+    """The most rows of a call that the load proves (proven_rows) give each row the same bits
     alone as among any count of rows up to 300. A check at sampled counts once kept calls of 1,024
     bfloat16 rows on a Xeon with AMX, where 1536 -> 576 gave rows other bits among 201 to 256 rows (a Ray
     pool under load then wrote other tokens than the target alone)."""
     min_rows = invariant.ROW_POLICY[dtype][1]
-    most = invariant.largest_invariant_rows(dtype, {(1536, 576)}, min_rows)
+    most = invariant.proven_rows(dtype, {(1536, 576)}, min_rows)
     g = torch.Generator().manual_seed(7)
     packed = pack_weight((torch.randn(576, 1536, generator=g) / 1536**0.5).to(dtype))
     x = torch.randn(300, 1536, generator=g).to(dtype)
@@ -373,24 +373,14 @@ def test_tiny_llama_plain_float32_is_not_invariant():
         pytest.skip("torch's float32 kernels happen to agree on this CPU: the control shows nothing")
 
 
-def test_the_load_keeps_the_largest_call_proven_invariant(monkeypatch):
-    """make_invariant keeps the largest of MAX_ROWS_TRIED that check_linear proves here; where the
-    largest fails (injected), the next; where none does, NotInvariant."""
-    assert (
-        invariant.largest_invariant_rows(torch.float32, {(96, 160)}, 2)
-        == invariant.MAX_ROWS_TRIED[torch.float32][0]
-    )
-    real = invariant.check_linear
-
-    def fails_above_256(dtype, shapes, *args, max_rows=None, **kwargs):
-        if max_rows and max_rows > 256:
-            raise invariant.NotInvariant(f"{max_rows} rows (injected)")
-        return real(dtype, shapes, *args, max_rows=max_rows, **kwargs)
-
-    monkeypatch.setattr(invariant, "check_linear", fails_above_256)
+def test_the_load_keeps_calls_of_the_proven_size_and_refuses_what_it_cannot_prove(monkeypatch):
+    """make_invariant gives every packed layer calls of ROW_POLICY's most rows once check_linear proves
+    them here; where the check fails (injected), NotInvariant."""
+    most = invariant.ROW_POLICY[torch.float32][2]
+    assert invariant.proven_rows(torch.float32, {(96, 160)}, 2) == most
     model = _tiny_llama(torch.float32, invariant_mode=False)
     make_invariant(model, "onednn", padding=2)
-    assert {m.max_rows for m in model.modules() if isinstance(m, invariant.InvariantLinear)} == {256}
+    assert {m.max_rows for m in model.modules() if isinstance(m, invariant.InvariantLinear)} == {most}
 
     def fails(*args, **kwargs):
         raise invariant.NotInvariant("injected")
