@@ -75,7 +75,7 @@ async def run_all(
                     for repeat in range(repeats):
                         at = " and ".join(f"{rtt:g}" for rtt in group)
                         log(
-                            f"{at} ms RTT, {mode}: adaptive and {len(settings) - 1} fixed settings"
+                            f"{at} ms RTT, {mode}: {'/'.join(rules)} and {len(settings) - len(rules)} fixed"
                             + (f", pass {repeat + 1} of {repeats}" if repeats > 1 else "")
                         )
                         # Each pass starts the rotation elsewhere, so no setting always runs first.
