@@ -55,7 +55,7 @@ async def run_all(
     `rules`: an adaptive row for each (TunerConfig.rule), taking turns with the rest."""
     from tools.bench import target_arms
 
-    reference = {r.mode: r for r in target_arms.in_child(config, log) if r.arm == "a"}
+    reference = {r.mode: r for r in target_arms.in_child(config, log, transformers=False)}
     flags = ["--max-gamma", str(max(config.gammas)), "--dtype", config.dtype]
     flags += [] if config.invariant else ["--no-bit-exact"]
     server = devices.verifier(config.target_dir, *flags, **config.devices)

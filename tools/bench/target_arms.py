@@ -68,7 +68,9 @@ def run_transformers(config: BenchConfig, label: str, **generate_kwargs) -> Row:
     return row
 
 
-async def run(config: BenchConfig, log=print) -> list[Row]:
+async def run(config: BenchConfig, log=print, transformers: bool = True) -> list[Row]:
+    """The target alone (a), greedy and sampled; then, with `transformers`, transformers' own speculative
+    arms (b)."""
     rows = []
     engine = TargetEngine.load(
         config.target_dir, dtype=config.dtype, invariant=config.invariant, kernels=config.kernels
@@ -80,6 +82,8 @@ async def run(config: BenchConfig, log=print) -> list[Row]:
             rows.append(await run_target_alone(config, batcher, mode))
     finally:
         batcher.close()
+    if not transformers:
+        return rows
     if config.draft_hf is not None:
         from transformers import AutoModelForCausalLM
 
@@ -95,7 +99,7 @@ async def run(config: BenchConfig, log=print) -> list[Row]:
     return rows
 
 
-def in_child(config: BenchConfig, log=print) -> list[Row]:
+def in_child(config: BenchConfig, log=print, transformers: bool = True) -> list[Row]:
     """`run` in a child process on the verifier's cores (config.verifier_cpus; all when empty), with as
     many torch threads as it has cores there. Raises RuntimeError when the child fails."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +107,8 @@ def in_child(config: BenchConfig, log=print) -> list[Row]:
         spec.write_text(json.dumps(_to_json(config)))
         cpus = config.verifier_cpus
         proc = subprocess.run(
-            [sys.executable, "-m", "tools.bench.target_arms", str(spec), str(out)],
+            [sys.executable, "-m", "tools.bench.target_arms", str(spec), str(out)]
+            + ([] if transformers else ["--alone"]),
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             stdout=sys.stderr,
         )
@@ -130,7 +135,8 @@ def main(argv: list[str]) -> int:
     threads = len(config.verifier_cpus) or config.verifier_threads
     if threads:
         torch.set_num_threads(threads)
-    rows = asyncio.run(run(config, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    rows = asyncio.run(run(config, log, transformers="--alone" not in argv[2:]))
     Path(argv[1]).write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
     return 0
 
