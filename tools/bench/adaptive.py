@@ -56,7 +56,9 @@ async def run_all(
     from tools.bench import target_arms
 
     reference = {r.mode: r for r in target_arms.in_child(config, log, transformers=False)}
-    flags = ["--max-gamma", str(max(config.gammas)), "--dtype", config.dtype]
+    # The verifier takes the adaptive rows' largest γ too, not only the fixed grid's: capped at the grid,
+    # a step rule that climbs past it could not.
+    flags = ["--max-gamma", str(max(*config.gammas, TunerConfig().max_gamma)), "--dtype", config.dtype]
     flags += [] if config.invariant else ["--no-bit-exact"]
     server = devices.verifier(config.target_dir, *flags, **config.devices)
     drafter = LlamaDrafter(DrafterConfig(config.draft_gguf, n_threads=config.draft_threads))
