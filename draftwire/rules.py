@@ -95,10 +95,12 @@ def masked_logits(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     adjustments and before temperature, top-k and top-p).
 
     scores   # [n, vocab] any float dtype, kept
-    allowed  # [n, width] bool, width <= vocab: ids past it (padding rows of the logits) are not allowed
+    allowed  # [n, width] bool: ids past width (padding rows of the logits) are not allowed, and ids past
+             # vocab do not exist: Qwen2.5's tokenizer lists 151,936 tokens, its vocabulary 151,665
     """
+    width = min(allowed.shape[-1], scores.shape[-1])
     keep = np.zeros(scores.shape, dtype=bool)
-    keep[:, : allowed.shape[-1]] = allowed
+    keep[:, :width] = allowed[:, :width]
     return np.where(keep, scores, np.array(-np.inf, dtype=scores.dtype))
 
 

@@ -17,11 +17,11 @@ import llguidance.hf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from draftwire import wire
 from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams, SessionSpec
-from draftwire.grammar import JSON_OPTIONS, compile_constraint
+from draftwire.grammar import compile_constraint
 from draftwire.v1 import draftwire_pb2 as pb
 from draftwire.v1 import draftwire_pb2_grpc as pb_grpc
 from draftwire_cli.models.demopair.files import DEFAULT_OUT, PairFiles
@@ -29,6 +29,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests as speculate
+from tools.testkit.oracle import guidance_mask
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
@@ -91,38 +92,6 @@ def engine() -> TargetEngine:
     return TargetEngine.load(FILES.target, dtype="float32")
 
 
-class _GuidanceMask(LogitsProcessor):
-    """llguidance's mask on transformers' scores, from transformers' tokenizer: the independent oracle."""
-
-    def __init__(self, tokenizer, constraint: Constraint, eos: list[int]):
-        lltokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
-        if constraint.kind is ConstraintKind.JSON_OBJECT:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, overrides=JSON_OPTIONS
-            )
-        elif constraint.kind is ConstraintKind.JSON_SCHEMA:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.loads(constraint.source), overrides=JSON_OPTIONS
-            )
-        elif constraint.kind is ConstraintKind.GRAMMAR:
-            grammar = llguidance.LLMatcher.grammar_from_lark(constraint.source)
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_regex(constraint.source)
-        self.matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
-        self.prompt_length: int | None = None
-
-    def __call__(self, input_ids, scores):
-        if self.prompt_length is None:
-            self.prompt_length = input_ids.shape[1]
-        elif input_ids.shape[1] > self.prompt_length:
-            assert self.matcher.consume_token(int(input_ids[0, -1]))
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
-        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
-        width = min(len(bits), scores.shape[-1])
-        allowed[:width] = torch.from_numpy(bits[:width].astype(bool))
-        return scores.masked_fill(~allowed, float("-inf"))
-
-
 @pytest.fixture(scope="module")
 def hf_constrained(tokenizer, prompts):
     """transformers' greedy `generate` under each constraint, for every prompt (end of sequence included)."""
@@ -140,7 +109,7 @@ def hf_constrained(tokenizer, prompts):
                     max_new_tokens=NEW_TOKENS,
                     pad_token_id=eos[0],
                     eos_token_id=eos,
-                    logits_processor=LogitsProcessorList([_GuidanceMask(tokenizer, constraint, eos)]),
+                    logits_processor=LogitsProcessorList([guidance_mask(tokenizer, constraint, eos)]),
                 )
                 out[name, i] = generated[0, len(prompt) :].tolist()
     return out

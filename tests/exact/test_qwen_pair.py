@@ -14,7 +14,7 @@ import json
 import grpc
 import pytest
 
-from draftwire.contract import Drafting, SamplingParams
+from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams
 from draftwire_cli.models import chunks
 from draftwire_cli.models.pairs import QWEN
 from edge_client.drafter import DrafterConfig, LlamaDrafter
@@ -22,7 +22,7 @@ from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import fetched
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests
-from tools.testkit.oracle import transformers_greedy
+from tools.testkit.oracle import guidance_mask, transformers_greedy
 
 pytestmark = pytest.mark.serial  # the 1.5B target's copies take 6 to 12 GB: not beside another file
 
@@ -55,8 +55,46 @@ def greedy_expected(pair, prompts):
     return transformers_greedy(pair / chunks.TARGET, prompts, NEW)
 
 
+ANSWER = Constraint(
+    ConstraintKind.JSON_SCHEMA,
+    json.dumps({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}),
+)
+
+
 @pytest.fixture(scope="module")
-def server(pair, greedy_expected):  # after the reference model is gone: one 1.5B copy at a time
+def schema_expected(pair, prompts):
+    """transformers' greedy `generate` under llguidance's mask of ANSWER (tools.testkit.oracle)."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+
+    target = pair / chunks.TARGET
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    eos = [model.generation_config.eos_token_id or tokenizer.eos_token_id]
+    eos = eos[0] if isinstance(eos[0], list) else eos
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)])
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW,
+                pad_token_id=eos[0],
+                eos_token_id=eos,
+                logits_processor=LogitsProcessorList([guidance_mask(tokenizer, ANSWER, eos)]),
+            )
+            out.append(generated[0, len(prompt) :].tolist())
+    del model
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(pair, greedy_expected, schema_expected):  # after the reference models are gone: one 1.5B copy
     with ServerProcess(pair / chunks.TARGET, "--dtype", "float32", timeout=600) as srv:
         yield srv
 
@@ -82,6 +120,21 @@ def test_greedy_through_serve_equals_transformers_generate(pair, prompts, greedy
     for (ids, stats), expected in zip(results, greedy_expected, strict=True):
         assert ids == expected
         assert stats.accepted_tokens > 0  # the 0.5B draft is right some of the time
+
+
+def test_greedy_under_a_json_schema_equals_transformers_generate_under_the_same_mask(
+    pair, prompts, schema_expected, server
+):
+    """Structured output on the Qwen pair, whose tokenizer lists 151,936 tokens for a vocabulary of
+    151,665 (a mask wider than the logits once failed every round). The draft's forced tokens ({"answer":
+    "...) ride in its proposals past γ."""
+    drafter = LlamaDrafter(DrafterConfig(chunks.draft_file(pair), n_ctx=512))
+    requests = [GenerationRequest(p, SamplingParams(), NEW, gamma=2, constraint=ANSWER) for p in prompts]
+    for (ids, stats), expected in zip(
+        run_requests(server.address, drafter, requests), schema_expected, strict=True
+    ):
+        assert ids == expected
+        assert stats.draft_tokens > stats.rounds * 2  # forced tokens past γ 2
 
 
 def test_seeded_through_serve_equals_the_target_alone(pair, prompts, server):

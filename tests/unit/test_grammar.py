@@ -146,6 +146,17 @@ def test_masked_logits_keep_the_dtype_and_refuse_ids_past_the_mask():
     assert out[0].tolist()[:4] == [0, -np.inf, 2, -np.inf] and out[1].tolist()[:4] == [-np.inf, 7, -np.inf, 9]
 
 
+def test_a_mask_wider_than_the_vocabulary_masks_the_ids_that_exist():
+    """A tokenizer that lists more tokens than the model's vocabulary (Qwen2.5: 151,936 against 151,665):
+    the mask's extra columns name ids that the scores do not have. A round under a schema on the Qwen
+    pair failed with `could not broadcast (8,151936) into (8,151665)`."""
+    scores = np.zeros((2, 4), dtype=np.float32)
+    allowed = np.array([[True, False, True, False, True, True], [False, True, False, True, False, False]])
+    out = masked_logits(scores, allowed)
+    assert out.shape == (2, 4)
+    assert out[0].tolist() == [0, -np.inf, 0, -np.inf] and out[1].tolist() == [-np.inf, 0, -np.inf, 0]
+
+
 @pytest.mark.parametrize(
     "constraint",
     [

@@ -4,6 +4,7 @@ target alone, one position per forward) cached on disk by everything its tokens 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -174,3 +175,57 @@ def cached_references(target: Path, engine, specs: Sequence) -> list[list[int]]:
             _store(key, ids)
         out.append(ids)
     return out
+
+
+def guidance_mask(tokenizer, constraint, eos: list[int]):
+    """A transformers logits processor that applies llguidance's mask of `constraint`, built from
+    transformers' tokenizer (nothing of ours: no matcher, no rules): the independent oracle of
+    structured output under `generate`."""
+    return _guidance_mask_class()(tokenizer, constraint, eos)
+
+
+@functools.cache
+def _guidance_mask_class():
+    import json
+
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+    import torch
+    from transformers import LogitsProcessor
+
+    from draftwire.contract import Constraint, ConstraintKind
+    from draftwire.grammar import JSON_OPTIONS
+
+    class GuidanceMask(LogitsProcessor):
+        """llguidance's mask on transformers' scores, from transformers' tokenizer: the independent oracle."""
+
+        def __init__(self, tokenizer, constraint: Constraint, eos: list[int]):
+            lltokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+            if constraint.kind is ConstraintKind.JSON_OBJECT:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, overrides=JSON_OPTIONS
+                )
+            elif constraint.kind is ConstraintKind.JSON_SCHEMA:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.loads(constraint.source), overrides=JSON_OPTIONS
+                )
+            elif constraint.kind is ConstraintKind.GRAMMAR:
+                grammar = llguidance.LLMatcher.grammar_from_lark(constraint.source)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_regex(constraint.source)
+            self.matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+            self.prompt_length: int | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.prompt_length is None:
+                self.prompt_length = input_ids.shape[1]
+            elif input_ids.shape[1] > self.prompt_length:
+                assert self.matcher.consume_token(int(input_ids[0, -1]))
+            bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+            allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
+            width = min(len(bits), scores.shape[-1])
+            allowed[:width] = torch.from_numpy(bits[:width].astype(bool))
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    return GuidanceMask
