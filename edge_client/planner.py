@@ -251,9 +251,8 @@ class Planner:
             if gamma == 0 and self._hand_off:  # speculation off: the verifier decodes the next leg
                 left = self.budget - (len(self.committed) - self._prompt_length)
                 return DraftJob(list(self.committed), 0, False, min(self.tuner.leg_tokens(), left))
-            return DraftJob(
-                list(self.committed), gamma, False, most=max(gamma, self.max_gamma)
-            )  # γ 0: a plain step
+            # γ 0: a plain step, nothing to draft
+            return DraftJob(list(self.committed), gamma, False, most=max(gamma, self.max_gamma))
         last = live[-1]
         base = [*last.prefix, *last.draft]
         if len(live) > depth or last.final or self._blocked == len(base):
@@ -263,9 +262,8 @@ class Planner:
             return None
         for sent in self.in_flight:
             sent.ahead = True
-        return DraftJob(
-            base, gamma + 1, True, most=max(gamma, self.max_gamma) + 1
-        )  # the guess is no draft token
+        # The guess of the bonus is sent as assumed, not as a draft token: the cap is one more.
+        return DraftJob(base, gamma + 1, True, most=max(gamma, self.max_gamma) + 1)
 
     def setting(self) -> tuple[int, int]:
         """The (γ, pipeline depth) to plan with now: the request's, or the tuner's for what it leaves open."""

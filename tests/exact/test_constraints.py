@@ -16,8 +16,7 @@ import llguidance
 import llguidance.hf
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+from transformers import AutoTokenizer
 
 from draftwire import wire
 from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams, SessionSpec
@@ -29,7 +28,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests as speculate
-from tools.testkit.oracle import guidance_mask
+from tools.testkit.oracle import transformers_constrained_greedy
 from verifier_service.engine import TargetEngine
 from verifier_service.session import reference_decode
 
@@ -93,26 +92,15 @@ def engine() -> TargetEngine:
 
 
 @pytest.fixture(scope="module")
-def hf_constrained(tokenizer, prompts):
+def hf_constrained(prompts):
     """transformers' greedy `generate` under each constraint, for every prompt (end of sequence included)."""
-    model = AutoModelForCausalLM.from_pretrained(FILES.target, dtype=torch.float32).eval()
-    eos = [model.generation_config.eos_token_id or tokenizer.eos_token_id]
-    out = {}
-    with torch.inference_mode():
-        for name, constraint in CONSTRAINTS.items():
-            for i, prompt in enumerate(prompts):
-                ids = torch.tensor([list(prompt)])
-                generated = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=False,
-                    max_new_tokens=NEW_TOKENS,
-                    pad_token_id=eos[0],
-                    eos_token_id=eos,
-                    logits_processor=LogitsProcessorList([guidance_mask(tokenizer, constraint, eos)]),
-                )
-                out[name, i] = generated[0, len(prompt) :].tolist()
-    return out
+    return {
+        (name, i): ids
+        for name, constraint in CONSTRAINTS.items()
+        for i, ids in enumerate(
+            transformers_constrained_greedy(FILES.target, prompts, NEW_TOKENS, constraint)
+        )
+    }
 
 
 GREEDY = SamplingParams()

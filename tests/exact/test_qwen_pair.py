@@ -22,7 +22,7 @@ from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import fetched
 from tools.rig.serverproc import ServerProcess
 from tools.testkit.edge import run_requests
-from tools.testkit.oracle import guidance_mask, transformers_greedy
+from tools.testkit.oracle import transformers_constrained_greedy, transformers_greedy
 
 pytestmark = pytest.mark.serial  # the 1.5B target's copies take 6 to 12 GB: not beside another file
 
@@ -64,33 +64,7 @@ ANSWER = Constraint(
 @pytest.fixture(scope="module")
 def schema_expected(pair, prompts):
     """transformers' greedy `generate` under llguidance's mask of ANSWER (tools.testkit.oracle)."""
-    import gc
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
-
-    target = pair / chunks.TARGET
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    eos = [model.generation_config.eos_token_id or tokenizer.eos_token_id]
-    eos = eos[0] if isinstance(eos[0], list) else eos
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([list(prompt)])
-            generated = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW,
-                pad_token_id=eos[0],
-                eos_token_id=eos,
-                logits_processor=LogitsProcessorList([guidance_mask(tokenizer, ANSWER, eos)]),
-            )
-            out.append(generated[0, len(prompt) :].tolist())
-    del model
-    gc.collect()
-    return out
+    return transformers_constrained_greedy(pair / chunks.TARGET, prompts, NEW, ANSWER)
 
 
 @pytest.fixture(scope="module")

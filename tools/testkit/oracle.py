@@ -33,26 +33,48 @@ def transformers_greedy(
     return found
 
 
-def _generate_greedy(target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy `generate` of each prompt; the model is freed before returning."""
+def transformers_constrained_greedy(
+    target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, constraint
+) -> list[list[int]]:
+    """Each prompt's greedy continuation by transformers' `generate` in float32 under llguidance's mask of
+    `constraint`, built from transformers' tokenizer (nothing of ours: no engine, no rules, no matcher):
+    up to `max_new_tokens`, the end of sequence included where it comes first. Not cached."""
+    return _generate_greedy(target, prompts, max_new_tokens, constraint)
+
+
+def _generate_greedy(
+    target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, constraint=None
+) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt, under llguidance's mask of `constraint` where one
+    is given (guidance_mask; stopping at the model's end-of-sequence ids, as a session does); the model
+    is freed before returning."""
     import gc
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    constrained = {}
+    if constraint is not None:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+        eos = list(eos) if isinstance(eos, list) else [eos]
+        constrained = {"pad_token_id": eos[0], "eos_token_id": eos}
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([list(prompt)])
+            if constraint is not None:  # a fresh matcher for each prompt
+                mask = guidance_mask(tokenizer, constraint, constrained["eos_token_id"])
+                constrained["logits_processor"] = LogitsProcessorList([mask])
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
-                pad_token_id=pad,
+                **{"pad_token_id": pad, **constrained},
             )
             outputs.append(out[0, len(prompt) :].tolist())
     del model
