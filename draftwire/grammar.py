@@ -19,6 +19,7 @@ import llguidance
 import numpy as np
 
 from draftwire.contract import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
+from draftwire.vocab import Token
 
 # JSON as a model writes it: one space after ':' and ',', no other whitespace (flexible whitespace lets a
 # model pad with newlines until max_tokens). Where a byte is forced, the draft and the target both take it.
@@ -74,6 +75,30 @@ def check_constraint(constraint: Constraint) -> None:
     error = llguidance.LLMatcher.validate_grammar(source, limits=llguidance.LLParserLimits(**LIMITS))
     if error:
         raise InvalidConstraint(f"{field_name(constraint)}: {error.strip()}")
+
+
+def table_tokenizer(
+    tokens: Sequence[Token], tokenize, eos_token_ids: Sequence[int]
+) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer over a vocabulary's tokens (draftwire.vocab's table, whose fingerprint the
+    two sides compare): a special token is special to the grammar, any other is its bytes. `tokenize`
+    turns text (bytes) into ids. Built from the compared table, the verifier's masks treat each id as the
+    edge's do: `llguidance.hf` takes every added token for a special one, and then allowed Qwen2's
+    `<tool_call>` (text to transformers) where the grammar asks for the text, and failed on consuming it."""
+
+    class Vocabulary:
+        eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        bos_token_id = None
+        special_token_ids = [i for i, t in enumerate(tokens) if t.special]
+
+        def __init__(self):
+            self.tokens = [b"\xff" + t.data if t.special else t.data for t in tokens]
+
+        def __call__(self, text: bytes) -> list[int]:
+            return tokenize(text)
+
+    wrapper = llguidance.TokenizerWrapper(Vocabulary())
+    return llguidance.LLTokenizer(wrapper, eos_token=list(eos_token_ids) or None)
 
 
 def compile_constraint(constraint: Constraint, tokenizer: llguidance.LLTokenizer) -> Matcher:

@@ -1,7 +1,8 @@
 """The verifier's side of structured output: its target's tokenizer for llguidance, and a session's matcher.
 
-The tokenizer is built once per engine, from the transformers tokenizer `TargetEngine.load` keeps (about a
-second for a vocabulary of 150k); an engine without one (a fake) serves no constraint.
+The tokenizer is built once per engine, from the token table of the transformers tokenizer
+`TargetEngine.load` keeps, the one its vocabulary's fingerprint covers (about a second for a vocabulary of
+150k); an engine without one (a fake) serves no constraint.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import llguidance
 
 from draftwire.contract import SessionSpec
-from draftwire.grammar import Matcher, compile_constraint
+from draftwire.grammar import Matcher, compile_constraint, table_tokenizer
+from draftwire.vocab import tokens_from_hf
 
 
 def grammar_tokenizer(engine) -> llguidance.LLTokenizer | None:
@@ -20,10 +22,12 @@ def grammar_tokenizer(engine) -> llguidance.LLTokenizer | None:
     hf = getattr(engine, "tokenizer", None)
     if hf is None:
         return None
-    import llguidance.hf  # imports transformers, which the verifier has and the edge does not
+    table = tokens_from_hf(hf, engine.info.vocabulary.size)  # what the fingerprint covers, id by id
 
-    eos = list(engine.info.eos_token_ids) or None
-    built = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+    def tokenize(text: bytes) -> list[int]:
+        return hf.encode(text.decode("utf-8", "replace"), add_special_tokens=False)
+
+    built = table_tokenizer(table.tokens, tokenize, engine.info.eos_token_ids)
     engine._grammar_tokenizer = built
     return built
 

@@ -252,3 +252,32 @@ def test_ignore_eos_and_a_constraint_are_refused(engine):
 def test_an_engine_without_a_tokenizer_serves_no_constraint():
     with pytest.raises(WrongState, match="serves no constraint"):
         _decode(FakeEngine(), SessionSpec((5,), max_new_tokens=5, constraint=schema()))
+
+
+def test_a_non_special_added_token_is_text_to_the_verifiers_masks(tokenizer):
+    """Qwen2's `<tool_call>` is an added token that transformers keeps as text (special=False). The
+    verifier's grammar tokenizer comes from the fingerprinted token table, so the token is the text it
+    stands for, as on the edge: a grammar that asks for that text allows it and goes on past it.
+    (`llguidance.hf` took it for a special token, allowed it in the mask and then failed on consuming it:
+    every tool call on the Qwen pair ended in an internal error.)"""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from verifier_service.constraints import grammar_tokenizer
+
+    raw = Tokenizer(models.BPE(vocab=_byte_level_vocab(), merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(["<eos>"])
+    raw.add_tokens([AddedToken("<tool_call>", special=False)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
+    call = hf.convert_tokens_to_ids("<tool_call>")
+    info = dataclasses.replace(fake_info(len(hf), max_context=512), eos_token_ids=(EOS,))
+    engine = FakeEngine(info)
+    engine.tokenizer = hf
+    lark = 'start: "<tool_call>\\n" /[a-z]+/ "\\n</tool_call>"'
+    matcher = compile_constraint(Constraint(ConstraintKind.GRAMMAR, lark), grammar_tokenizer(engine))
+    draft = [call, ord("\n"), ord("a")]
+    rows = matcher.masks(draft)
+    assert rows[0][call] and rows[1][ord("\n")] and rows[2][ord("a")] and not rows[2][EOS]
+    assert matcher.error == "" and matcher.follow(draft) == 3
