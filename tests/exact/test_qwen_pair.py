@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
+from openai import OpenAI
+from pydantic import BaseModel
 
 from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams
 from draftwire_cli.models import chunks
@@ -20,7 +24,7 @@ from draftwire_cli.models.pairs import QWEN
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import fetched
-from tools.rig.serverproc import ServerProcess
+from tools.rig.serverproc import EdgeProcess, ServerProcess
 from tools.testkit.edge import run_requests
 from tools.testkit.oracle import transformers_constrained_greedy, transformers_greedy
 
@@ -124,6 +128,57 @@ def test_seeded_through_serve_equals_the_target_alone(pair, prompts, server):
 
     ids, stats = asyncio.run(alone())
     assert drafted == ids and stats.rounds == len(ids)
+
+
+class Product(BaseModel):
+    """What `chat.completions.parse` asks for: the answer as an integer, strictly."""
+
+    product: int
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def test_the_openai_client_gets_parsed_objects_and_tool_calls_through_the_edge_app(pair, server, tmp_path):
+    """The official client through `draftwire edge` on the realistic pair: a pydantic model parsed from a
+    schema-constrained reply, and a tool call in Qwen2.5's own tool format (its template renders tools),
+    each under speculation against this module's verifier."""
+    edge = str(Path(sys.executable).parent / "draftwire")
+    with EdgeProcess(
+        server.address, chunks.draft_file(pair), "--gamma", "4", db=tmp_path / "e.db", executable=edge
+    ) as app:
+        client = OpenAI(base_url=app.url + "v1", api_key="unused")
+        [model] = [m.id for m in client.models.list().data]
+        ask = [{"role": "user", "content": "What is 7 times 8? Answer in JSON."}]
+        reply = client.chat.completions.parse(
+            model=model, messages=ask, response_format=Product, max_tokens=24, temperature=0
+        )
+        assert isinstance(reply.choices[0].message.parsed, Product), reply
+        ask = [{"role": "user", "content": "What is the weather in Oslo, in Celsius?"}]
+        reply = client.chat.completions.create(
+            model=model,
+            messages=ask,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=60,
+            temperature=0,
+        )
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Rome", "Oslo") and arguments["unit"] in ("C", "F")
 
 
 def test_greedy_through_the_pool_equals_transformers_generate(pair, prompts, greedy_expected, server):

@@ -2,7 +2,6 @@
 
 import importlib.metadata
 import json
-import time
 
 import pytest
 import torch
@@ -55,9 +54,7 @@ def llama_vocab(fetched):
 def test_a_second_fetch_does_nothing(fetched):
     before = {p: p.stat().st_mtime_ns for p in fetched.rglob("*") if p.is_file()}
     messages = []
-    began = time.monotonic()
     assert smollm2.fetch(fetched, log=messages.append) == fetched
-    assert time.monotonic() - began < 2
     assert "already" in messages[0]
     assert {p: p.stat().st_mtime_ns for p in fetched.rglob("*") if p.is_file()} == before
     assert smollm2.is_fetched(fetched)
