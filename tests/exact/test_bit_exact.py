@@ -2,9 +2,9 @@
 oneDNN has exact bfloat16 kernels, else float32) on a real pretrained target (SmolLM2-135M-Instruct, real
 non-peaked logits, the real Q4_1 draft): speculative output equals `reference` (the target alone, one
 position per forward) for 12 held-out chat prompts x 160 new tokens, greedy and seeded sampling at
-T = 0.8, with 8 sessions at a time of mixed gamma and pipeline depth, through one `draftwire serve` and
-through the Ray pool (`serve --ray`, two replicas). With the plain kernels (`--no-bit-exact`) the same
-check shows mismatches, so it is known to bite.
+T = 0.8, with 8 sessions at a time of mixed gamma and pipeline depth, through one `draftwire serve`, and
+a third of them through the Ray pool (`serve --ray`, two replicas). With the plain kernels
+(`--no-bit-exact`) the same check shows mismatches, so it is known to bite.
 
 In plain bfloat16 about 2 % of positions flip their argmax between a one-position forward and a round's
 (docs/invariance.md), so nearly every 160-token reply would differ somewhere.
@@ -96,7 +96,7 @@ def speculate(address: str, draft, specs: list[SessionSpec]) -> list[list[int]]:
 
 def mismatches(specs, got, expected) -> list[str]:
     return [
-        f"prompt {i % PROMPTS} {'greedy' if spec.sampling.temperature == 0 else 'T=0.8'}: first differs at "
+        f"session {i} {'greedy' if spec.sampling.temperature == 0 else 'T=0.8'}: first differs at "
         f"{next(k for k, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b)}"
         for i, (spec, ids, want) in enumerate(zip(specs, got, expected, strict=True))
         if ids != want
@@ -111,10 +111,13 @@ def test_one_serve_under_concurrency_equals_the_target_alone(pair, specs, refere
 
 
 def test_the_ray_pool_equals_the_target_alone(pair, specs, references):
+    """A third of the specs (four greedy, four seeded), all eight in flight at once: the pool adds routing
+    and replicas to the engine, whose batching the test above proves over all of them."""
+    few, expected = specs[::3], references[::3]
     flags = ["--ray", "--replicas", "2", "--replica-cpus", "0.5", "--replica-host", "127.0.0.1"]
     with ServerProcess(pair / smollm2.TARGET, *flags, "--max-gamma", "8", timeout=300) as pool:
-        got = speculate(pool.address, smollm2.draft_path(pair), specs)
-    assert mismatches(specs, got, references) == []
+        got = speculate(pool.address, smollm2.draft_path(pair), few)
+    assert mismatches(few, got, expected) == []
 
 
 def test_without_the_invariant_kernels_outputs_differ(pair, specs):
