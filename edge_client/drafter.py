@@ -16,9 +16,9 @@ import numpy as np
 
 from draftwire import cpus
 from draftwire.contract import Constraint, SamplingParams
-from draftwire.grammar import InvalidConstraint, Matcher, compile_constraint
+from draftwire.grammar import InvalidConstraint, Matcher, compile_constraint, table_tokenizer
 from draftwire.rules import adjusted_logits, choose_tokens, masked_logits
-from draftwire.vocab import Vocabulary, vocabulary_from_llama
+from draftwire.vocab import Vocabulary, tokens_from_llama, vocabulary_from_llama
 from edge_client.llama_runtime import Llama
 
 
@@ -31,31 +31,16 @@ class DrafterConfig:
 
 
 def grammar_tokenizer(llm, eos_token_ids: list[int]):
-    """llguidance's tokenizer over a GGUF's vocabulary. Control tokens are special, as transformers'
-    special tokens are on the verifier; a user-defined token (Qwen2's `<tool_call>`) is text, as it is
-    there (draftwire/vocab.py), so that the draft's masks allow it where the target's do.
-    (`llguidance.llamacpp` would take every user-defined `<...>` token for a special one.)"""
-    import ctypes
+    """llguidance's tokenizer over a GGUF's vocabulary: the token table its fingerprint covers
+    (draftwire.vocab), as the verifier builds its own from transformers' table, so that where the two
+    fingerprints agree each id means the same to both sides' masks (a user-defined token such as Qwen2's
+    `<tool_call>` is text on both; a token llama.cpp promotes to control at load keeps its stored type)."""
+    table = tokens_from_llama(llm)
 
-    import llama_cpp
-    import llguidance
+    def tokenize(text: bytes) -> list[int]:
+        return llm.tokenize(text, add_bos=False, special=False)
 
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    size = 16 << 10
-    buffer = ctypes.create_string_buffer(size + 1)
-    pieces = []
-    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
-        n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
-        if n < 0:
-            raise ValueError(f"token {token} does not fit {size} bytes")
-        piece = bytes(buffer[:n])
-        if llama_cpp.llama_vocab_get_attr(vocab, token) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
-            piece = b"\xff" + piece  # llguidance's mark of a special token
-        pieces.append(piece)
-    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
-    return llguidance.LLTokenizer.from_llamacpp(
-        tokens=pieces, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eos_token_ids, slices=None
-    )
+    return table_tokenizer(table.tokens, tokenize, eos_token_ids)
 
 
 class VocabOnly:
