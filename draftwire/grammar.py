@@ -5,8 +5,9 @@ check: the same ids mean the same bytes), so the draft proposes under the mask t
 with and acceptance survives a constraint. Only the verifier's masks decide the output; the edge's are
 advice, and a draft that strays from them is rejected like any other.
 
-The verifier builds its tokenizer from transformers' (`llguidance.hf`), the edge from the GGUF's vocabulary
-(`llguidance.llamacpp`); this module takes the built tokenizer and imports neither.
+Both sides build llguidance's tokenizer with `table_tokenizer` from the token table their vocabulary's
+fingerprint covers (draftwire.vocab): the verifier from transformers' tokenizer, the edge from the GGUF's
+vocabulary. This module takes the table and imports neither library.
 """
 
 from __future__ import annotations

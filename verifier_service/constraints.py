@@ -7,6 +7,8 @@ The tokenizer is built once per engine, from the token table of the transformers
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import llguidance
 
 from draftwire.contract import SessionSpec
@@ -22,14 +24,20 @@ def grammar_tokenizer(engine) -> llguidance.LLTokenizer | None:
     hf = getattr(engine, "tokenizer", None)
     if hf is None:
         return None
-    table = tokens_from_hf(hf, engine.info.vocabulary.size)  # what the fingerprint covers, id by id
+    built = hf_grammar_tokenizer(hf, engine.info.vocabulary.size, engine.info.eos_token_ids)
+    engine._grammar_tokenizer = built
+    return built
+
+
+def hf_grammar_tokenizer(hf, size: int | None, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer over a transformers tokenizer's first `size` ids: the table the vocabulary's
+    fingerprint covers, id by id (draftwire.grammar.table_tokenizer)."""
+    table = tokens_from_hf(hf, size)
 
     def tokenize(text: bytes) -> list[int]:
         return hf.encode(text.decode("utf-8", "replace"), add_special_tokens=False)
 
-    built = table_tokenizer(table.tokens, tokenize, engine.info.eos_token_ids)
-    engine._grammar_tokenizer = built
-    return built
+    return table_tokenizer(table.tokens, tokenize, eos_token_ids)
 
 
 def serves_constraints(engine) -> bool:

@@ -12,8 +12,6 @@ import json
 import time
 
 import grpc
-import llguidance
-import llguidance.hf
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -296,10 +294,11 @@ def test_the_drafts_masks_are_the_verifiers_bit_for_bit(tokenizer, hf_constraine
     verifier's gives from transformers' tokenizer, at every position of a constrained reply."""
     from edge_client.drafter import grammar_tokenizer
     from edge_client.llama_runtime import Llama
+    from verifier_service.constraints import hf_grammar_tokenizer
 
     eos = [tokenizer.eos_token_id]
     llm = Llama(model_path=str(FILES.gguf("q8_0")), vocab_only=True, verbose=False)
-    verifier = compile_constraint(CONSTRAINTS[name], llguidance.hf.from_tokenizer(tokenizer, eos_token=eos))
+    verifier = compile_constraint(CONSTRAINTS[name], hf_grammar_tokenizer(tokenizer, None, eos))
     draft = compile_constraint(CONSTRAINTS[name], grammar_tokenizer(llm, eos))
     reply = [t for t in hf_constrained[name, 0] if t not in eos]
     for i in range(len(reply) + 1):

@@ -119,11 +119,12 @@ async def run_all(args, log=print) -> dict:
 def _mask_ms_per_round(target: Path, replies: list[list[int]], gamma: int) -> float:
     """The verifier's mask work for a round of γ draft tokens (masks at γ + 1 positions, then the γ + 1
     committed tokens followed), along the schema replies, in ms."""
-    import llguidance.hf
     from transformers import AutoTokenizer
 
+    from verifier_service.constraints import hf_grammar_tokenizer
+
     hf = AutoTokenizer.from_pretrained(target)
-    tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=[hf.eos_token_id])
+    tokenizer = hf_grammar_tokenizer(hf, None, [hf.eos_token_id])  # the verifier's
     spent, rounds = 0.0, 0
     for ids in replies:
         matcher = compile_constraint(CONSTRAINT, tokenizer)
