@@ -317,9 +317,9 @@ def test_the_queue_of_waiting_generations_is_bounded(vocab):
                 await asyncio.sleep(0.01)
             status, reply, response = await post(client, "/v1/completions", body)
             assert status == 429 and int(response.headers["Retry-After"]) >= 1
-            start = time.perf_counter()
-            assert (await client.get("/health")).status == 200
-            assert time.perf_counter() - start < 0.1
+            # Not queued behind them: they wait for a verifier that never answers, so a /health behind
+            # them would wait for good (a generous bound, not a clock: a busy machine passes).
+            assert (await asyncio.wait_for(client.get("/health"), 30)).status == 200
             for task in waiting:
                 task.cancel()
 
