@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,7 +23,7 @@ from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tests.capability import fetched
 from tools.rig.serverproc import EdgeProcess, ServerProcess
-from tools.testkit.edge import run_requests
+from tools.testkit.edge import WEATHER, run_requests
 from tools.testkit.oracle import transformers_constrained_greedy, transformers_greedy
 
 pytestmark = pytest.mark.serial  # the 1.5B target's copies take 6 to 12 GB: not beside another file
@@ -136,28 +134,11 @@ class Product(BaseModel):
     product: int
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
-
-
 def test_the_openai_client_gets_parsed_objects_and_tool_calls_through_the_edge_app(pair, server, tmp_path):
     """The official client through `draftwire edge` on the realistic pair: a pydantic model parsed from a
     schema-constrained reply, and a tool call in Qwen2.5's own tool format (its template renders tools),
     each under speculation against this module's verifier."""
-    edge = str(Path(sys.executable).parent / "draftwire")
-    with EdgeProcess(
-        server.address, chunks.draft_file(pair), "--gamma", "4", db=tmp_path / "e.db", executable=edge
-    ) as app:
+    with EdgeProcess(server.address, chunks.draft_file(pair), "--gamma", "4", db=tmp_path / "e.db") as app:
         client = OpenAI(base_url=app.url + "v1", api_key="unused")
         [model] = [m.id for m in client.models.list().data]
         ask = [{"role": "user", "content": "What is 7 times 8? Answer in JSON."}]

@@ -38,12 +38,17 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def tokenizer() -> llguidance.LLTokenizer:
     """256 byte-level tokens (id = the byte) and an end-of-sequence token, 256."""
+    return llguidance.LLTokenizer(_byte_level_tokenizer().to_str(), eos_token=EOS)
+
+
+def _byte_level_tokenizer() -> Tokenizer:
+    """A tokenizers tokenizer of the 256 bytes (id = the byte) and `<eos>` at 256."""
     hf = Tokenizer(models.BPE(vocab=_byte_level_vocab(), merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens(["<eos>"])
     assert hf.token_to_id("<eos>") == EOS
-    return llguidance.LLTokenizer(hf.to_str(), eos_token=EOS)
+    return hf
 
 
 def _byte_level_vocab() -> dict[str, int]:
@@ -254,7 +259,7 @@ def test_an_engine_without_a_tokenizer_serves_no_constraint():
         _decode(FakeEngine(), SessionSpec((5,), max_new_tokens=5, constraint=schema()))
 
 
-def test_a_non_special_added_token_is_text_to_the_verifiers_masks(tokenizer):
+def test_a_non_special_added_token_is_text_to_the_verifiers_masks():
     """Qwen2's `<tool_call>` is an added token that transformers keeps as text (special=False). The
     verifier's grammar tokenizer comes from the fingerprinted token table, so the token is the text it
     stands for, as on the edge: a grammar that asks for that text allows it and goes on past it.
@@ -265,10 +270,7 @@ def test_a_non_special_added_token_is_text_to_the_verifiers_masks(tokenizer):
 
     from verifier_service.constraints import grammar_tokenizer
 
-    raw = Tokenizer(models.BPE(vocab=_byte_level_vocab(), merges=[]))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens(["<eos>"])
+    raw = _byte_level_tokenizer()
     raw.add_tokens([AddedToken("<tool_call>", special=False)])
     hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
     call = hf.convert_tokens_to_ids("<tool_call>")

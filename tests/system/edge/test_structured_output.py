@@ -8,7 +8,6 @@ environment too (no torch).
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -17,26 +16,14 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from tools.rig.serverproc import EdgeProcess, ServerProcess
+from tools.rig.serverproc import DRAFTWIRE, EdgeProcess, ServerProcess
+from tools.testkit.edge import WEATHER
 
 DEMO = Path(__file__).resolve().parents[3] / "models" / "demo"
 DRAFT = DEMO / "draft-q8_0.gguf"
-EDGE = str(Path(sys.executable).parent / "draftwire")
+EDGE = DRAFTWIRE
 VERIFIER = os.environ.get("DRAFTWIRE_VERIFIER") or EDGE
 ASK = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {
