@@ -20,6 +20,8 @@ class ReplicaConfig:
     dtype: str = "auto"  # the target's dtype (TargetEngine.load)
     invariant: bool = True  # bit-exact kernels (TargetEngine.load)
     kernels: str = "auto"  # their backend: auto, onednn, portable (TargetEngine.load)
+    # auto: a GPU where Ray gave the replica one (it sees only its own: CUDA_VISIBLE_DEVICES), else the CPU
+    device: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class VerifierReplica:
                 engine = await asyncio.to_thread(
                     TargetEngine.load,
                     config.target_dir,
+                    config.device,
                     dtype=config.dtype,
                     invariant=config.invariant,
                     kernels=config.kernels,

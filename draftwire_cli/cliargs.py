@@ -23,7 +23,27 @@ def rig(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         ) from None
 
 
+def device_name(text: str) -> str:
+    """--device's syntax (auto, cpu, cuda, cuda:N); whether this machine has it is the load's question."""
+    name = text.strip().lower()
+    kind, colon, index = name.partition(":")
+    if name in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: choose auto, cpu, cuda or cuda:N")
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="where the target runs: auto (the first CUDA GPU torch sees, else the CPU), cpu, cuda or "
+        "cuda:N; on a GPU the bit-exact kernels are the portable ones, proven at load (docs/gpu.md)",
+    )
+
+
 def add_target_numerics(p: argparse.ArgumentParser) -> None:
+    add_device(p)
     p.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16"),

@@ -4,6 +4,8 @@
 - llama.cpp: the CPU variant ggml chose for this CPU and the variants installed (the edge);
 - the verifier: each dtype's exact path here, or why there is none, and a short timing of its kernels;
   which one `--dtype auto` takes;
+- the devices: the GPUs torch sees (model, memory, the exact dtypes the load will try there), and which
+  one `--device auto` takes;
 - the model pairs installed;
 - problems, each with the command that fixes it. Exit status 1 when there is one, else 0.
 
@@ -120,6 +122,47 @@ def verifier_report(probe: bool, problems: list[str]) -> dict:
     }
 
 
+def gpus() -> list[dict]:
+    """The CUDA GPUs torch sees: index, model, compute capability, memory (total and free, GiB)."""
+    import torch
+
+    found = []
+    for index in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(index)
+        found.append(
+            {
+                "index": index,
+                "name": torch.cuda.get_device_name(index),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(index))),
+                "memory_gib": round(total / 2**30, 1),
+                "free_gib": round(free / 2**30, 1),
+            }
+        )
+    return found
+
+
+def device_report(found: list[dict] | None = None) -> dict:
+    """The devices `--device` may name, and the exact dtypes the load tries on each GPU (the proof at
+    load decides: docs/gpu.md). `found`: the GPUs (gpus(); a test injects them)."""
+    try:
+        import torch
+    except ImportError:
+        return {"installed": False}
+    from verifier_service import numerics
+
+    found = gpus() if found is None else found
+    for gpu in found:
+        hardware = numerics.Hardware(device="cuda", accelerator=numerics.accelerator_name(gpu["name"]))
+        gpu["exact_dtypes"] = numerics.plan("auto", hardware, exact=True)
+        gpu["kernels"] = hardware.kernel_class(exact=True)
+    return {
+        "installed": True,
+        "cuda": torch.version.cuda,  # None: a CPU-only torch build
+        "gpus": found,
+        "auto": numerics.resolve_device("auto", len(found)),
+    }
+
+
 def _probe_shapes() -> list[tuple[int, int]]:
     """The installed SmolLM2 target's MLP shapes, else SmolLM2-135M's."""
     from draftwire_cli.models import smollm2
@@ -159,6 +202,7 @@ def report(probe: bool = True, as_json: bool = False, out=sys.stdout) -> int:
         "cpu": cpu_report(),
         "llama_cpp": llama_report(problems),
         "verifier": verifier_report(probe, problems),
+        "devices": device_report(),
         "models": models_report(problems),
         "problems": problems,
     }
@@ -197,6 +241,7 @@ def _print(r: dict, out) -> None:
                 print(f"  {dtype:9s} bit-exact with {d['kernels']} kernels{timing}", file=out)
             else:
                 print(f"  {dtype:9s} not exact here: {d['why']}", file=out)
+    _print_devices(r["devices"], out)
     for name, m in r["models"].items():
         state = (
             "installed"
@@ -210,3 +255,19 @@ def _print(r: dict, out) -> None:
             print(f"  - {problem}", file=out)
     else:
         print("problems   none", file=out)
+
+
+def _print_devices(devices: dict, out) -> None:
+    if devices["installed"]:
+        if devices["gpus"]:
+            print(f"devices    --device auto takes {devices['auto']} (CUDA {devices['cuda']})", file=out)
+        else:
+            why = "no GPU visible" if devices["cuda"] else "torch is built for the CPU alone"
+            print(f"devices    --device auto takes cpu ({why})", file=out)
+        for gpu in devices["gpus"]:
+            print(
+                f"  cuda:{gpu['index']}   {gpu['name']}, compute {gpu['capability']}, "
+                f"{gpu['memory_gib']} GiB ({gpu['free_gib']} free); the load tries "
+                f"{', '.join(gpu['exact_dtypes'])} with {gpu['kernels']} kernels, proven there",
+                file=out,
+            )

@@ -65,6 +65,7 @@ def _models_check(args) -> int:
             rtt_ms=args.rtt_ms,
             dtype=args.dtype,
             kernels=args.kernels,
+            device=args.device,
             log=lambda m: print(f"draftwire: {m}", file=sys.stderr, flush=True),
         )
     except (OSError, ValueError, KeyError) as e:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from draftwire import wire
-from draftwire_cli.cliargs import add_target_numerics
+from draftwire_cli.cliargs import add_device, add_target_numerics
 from draftwire_cli.flags import (
     GAMMA,
     PIPELINE,
@@ -287,6 +287,7 @@ def _models(sub) -> None:
     c.add_argument("--rtt-ms", type=float, default=20.0, help="round trip assumed for the speedup")
     c.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="the target's")
     c.add_argument("--kernels", choices=("auto", "onednn", "portable"), default="auto", help="the target's")
+    add_device(c)
     c.add_argument("--json", action="store_true", help="the report as JSON")
     b = models.add_parser(
         "build", help="tokenizer, trained target, distilled draft, GGUF exports, model card"

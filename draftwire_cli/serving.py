@@ -96,13 +96,16 @@ def load_target(args):
     import torch
 
     from verifier_service.engine import NoExactPath, TargetEngine, UnsupportedModel
+    from verifier_service.numerics import NoSuchDevice
 
     # Before the load, whose checks and timings run on these threads (draftwire.cpus.threads).
     torch.set_num_threads(getattr(args, "threads", 0) or cpus.threads())
     try:
         engine = TargetEngine.load(
-            args.target, dtype=args.dtype, invariant=args.invariant, kernels=args.kernels
+            args.target, args.device, dtype=args.dtype, invariant=args.invariant, kernels=args.kernels
         )
+    except NoSuchDevice as e:
+        raise UserError(str(e)) from None
     except NoExactPath as e:
         print(f"draftwire: {e}", file=sys.stderr)
         return None
@@ -172,6 +175,7 @@ def _serve_pool(args, server) -> int:
             dtype=args.dtype,
             invariant=args.invariant,
             kernels=args.kernels,
+            device=args.device,
             num_gpus=args.replica_gpus,
         ),
         scaling=ScalingConfig(

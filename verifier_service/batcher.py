@@ -53,6 +53,7 @@ class ServedEngine(Engine, Protocol):
     active_sessions: int  # sessions holding a KV cache
     cache_bytes: int  # the KV memory held: live sessions' caches and kept ones
     bytes_per_position: int  # KV memory of one cached position (0: the engine reserves nothing)
+    device: object  # where the KV caches live (a torch.device or its name): admission's budget reads it
     prefix_cache: Sized  # the kept caches (their number is a figure)
 
     def keep_finished(self, config: PrefixCacheConfig, room: Callable[[], int] | None = None) -> None: ...

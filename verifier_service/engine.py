@@ -84,7 +84,7 @@ class TargetEngine:
     def load(
         cls,
         model_dir: Path,
-        device: str | None = None,
+        device: str | None = None,  # auto (None), cpu, cuda, cuda:N (numerics.resolve_device)
         dtype: str = "auto",
         invariant: bool = True,
         hardware: Hardware | None = None,
@@ -102,12 +102,18 @@ class TargetEngine:
 
         Raises OSError or ValueError from transformers when the directory holds no causal LM,
         UnsupportedModel (a ValueError) for an architecture the engine cannot serve right (docs/families.md),
-        and NoExactPath (a ValueError, with one line saying what is missing and the choices) where
-        invariant mode cannot run the dtype asked for here.
+        NoExactPath (a ValueError, with one line saying what is missing and the choices) where
+        invariant mode cannot run the dtype asked for here, and NoSuchDevice (a ValueError) for a
+        `device` this machine's torch does not have.
         """
         model_dir = Path(model_dir)
         hardware = hardware or Hardware.detect(device)
-        dev = torch.device(device or hardware.device)
+        named = device not in (None, "auto")
+        dev = torch.device(
+            numerics_.resolve_device(device, torch.cuda.device_count()) if named else hardware.device
+        )
+        if invariant and dev.type == "cuda":
+            invariant_.cuda_determinism()  # before the first cuBLAS call
         candidates = numerics_.plan(dtype, hardware, invariant, kernels)
         refusal = families.refusal(AutoConfig.from_pretrained(model_dir).model_type)
         if refusal is not None:

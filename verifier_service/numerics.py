@@ -30,6 +30,7 @@ from pathlib import Path
 from draftwire.contract import Numerics
 
 DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = "auto, cpu, cuda or cuda:N"  # what --device takes (resolve_device)
 KERNELS = ("auto", "onednn", "portable")  # verifier_service/invariant.py's backends, and auto
 # oneDNN's bfloat16 path needs one of these sets of CPU features (its error: "bf16 path needs the cpu
 # support avx_ne_convert or avx512bw, avx512vl and avx512dq").
@@ -39,6 +40,33 @@ NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16"})  
 
 class NoExactPath(ValueError):
     """No bit-exact (invariant) path for what was asked on this hardware."""
+
+
+class NoSuchDevice(ValueError):
+    """`--device` names a device this machine's torch does not have."""
+
+
+def resolve_device(requested: str | None, cuda_devices: int) -> str:
+    """The torch device `--device` names on a machine whose torch sees `cuda_devices` CUDA devices
+    (torch.cuda.device_count(); 0 on a CPU-only build): auto (or None) takes the first GPU where there
+    is one, else the CPU. Raises NoSuchDevice, in one line, for a malformed name or a GPU that is not
+    there."""
+    name = (requested or "auto").strip().lower()
+    if name == "auto":
+        return "cuda:0" if cuda_devices else "cpu"
+    if name == "cpu":
+        return "cpu"
+    kind, _, index = name.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise NoSuchDevice(f"unknown device {requested!r}: choose {DEVICES}")
+    number = int(index or 0)
+    if number >= cuda_devices:
+        seen = f"{cuda_devices} CUDA device{'s' if cuda_devices != 1 else ''}"
+        raise NoSuchDevice(
+            f"--device {requested}: torch sees {seen} here (a CPU-only torch, no GPU, or "
+            "CUDA_VISIBLE_DEVICES hides it): choose --device cpu or auto"
+        )
+    return f"cuda:{number}"
 
 
 @dataclass(frozen=True)
@@ -54,13 +82,14 @@ class Hardware:
 
     @classmethod
     def detect(cls, device: str | None = None) -> Hardware:
+        """This machine's, for `device` (a name resolve_device takes; None: auto)."""
         import torch
 
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = torch.device(resolve_device(device, torch.cuda.device_count()))
         onednn = torch.backends.mkldnn.is_available()
         accelerator = ""
         if dev.type == "cuda":
-            accelerator = "_".join(torch.cuda.get_device_name(dev).replace("/", " ").split())
+            accelerator = accelerator_name(torch.cuda.get_device_name(dev))
         return cls(
             device=str(dev.type),
             cpu_flags=cpu_flags(),
@@ -97,6 +126,11 @@ class Hardware:
 
     def numerics(self, dtype: str, exact: bool, kernels: str | None = None) -> Numerics:
         return Numerics(dtype, self.kernel_class(exact, kernels), self.device, exact)
+
+
+def accelerator_name(device_name: str) -> str:
+    """A GPU's model as the numerics identity names it: CUDA's device name, one word ("NVIDIA_H200")."""
+    return "_".join(device_name.replace("/", " ").split())
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

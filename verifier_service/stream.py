@@ -126,7 +126,7 @@ class Verifier:
         if config.batch.calibrate:  # with no finished cache kept (an engine may have served before)
             engine.keep_finished(PrefixCacheConfig())
             self.batcher.calibrate(config.limits.max_gamma + 1)
-        self.admission = Admission(sized(config.admission))
+        self.admission = Admission(sized(config.admission, str(engine.device)))
         # Kept caches live inside the KV budget too: they give way to the sessions' reservations.
         room = (lambda: self.admission.kv_room) if self.admission.config.kv_budget_bytes else None
         engine.keep_finished(config.prefix_cache, room)
@@ -279,16 +279,23 @@ class Verifier:
             await asyncio.sleep(0.02)
 
 
-def sized(config: AdmissionConfig) -> AdmissionConfig:
+def sized(config: AdmissionConfig, device: str = "cpu") -> AdmissionConfig:
     """The config with its KV budget resolved: None becomes half the memory available now (the target
-    loaded), so that sessions are refused before the kernel's out-of-memory killer picks the server."""
+    loaded) where the KV caches live, the `device` (a torch device name), so that sessions are refused
+    before the kernel's out-of-memory killer picks the server, or CUDA runs out of memory."""
     if config.kv_budget_bytes is not None:
         return config
-    return dataclasses.replace(config, kv_budget_bytes=available_memory() // 2)
+    return dataclasses.replace(config, kv_budget_bytes=available_memory(device) // 2)
 
 
-def available_memory() -> int:
-    """Bytes of memory available to new allocations (MemAvailable; all of it where /proc cannot say)."""
+def available_memory(device: str = "cpu") -> int:
+    """Bytes of memory available to new allocations on `device`: a GPU's free memory as CUDA reports it
+    (torch.cuda.mem_get_info, which counts other processes' use of the GPU too); on the CPU the host's
+    MemAvailable (all of it where /proc cannot say)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -76,6 +76,7 @@ def check_pair(
     rtt_ms: float = 20.0,
     dtype: str = "auto",
     kernels: str = "auto",
+    device: str = "auto",
     log: Callable[[str], None] = lambda _: None,
 ) -> Report:
     """Checks the pair; `prompts` default to 3 held-out chat turns (code windows where the target has
@@ -88,14 +89,15 @@ def check_pair(
 
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from verifier_service.engine import NoExactPath, TargetEngine, UnsupportedModel
+    from verifier_service.numerics import NoSuchDevice
 
     log("loading the target (the checks at load run: conformance, invariance)")
     import torch
 
     torch.set_num_threads(cpus.threads())  # as `serve` runs it (draftwire_cli.serving.load_target)
     try:
-        engine = TargetEngine.load(target_dir, dtype=dtype, kernels=kernels)
-    except (UnsupportedModel, NoExactPath) as e:
+        engine = TargetEngine.load(target_dir, device, dtype=dtype, kernels=kernels)
+    except (UnsupportedModel, NoExactPath, NoSuchDevice) as e:
         return Report(False, str(e), chat_templates_equal=templates)
     n = engine.numerics
     reason = f"same vocabulary ({engine.info.vocabulary.describe()}); target {n.dtype}, {n.kernels}"

@@ -80,6 +80,8 @@ def test_every_subcommand_says_a_mistake_in_one_line(tmp_path, busy_port, closed
         ([*gen, "--resume-timeout-s", "0", "--temperature", "0.7"], 1, "UNAVAILABLE"),
         (["serve", "--target", missing], 2, "no such directory"),
         ([*serve, "--port", "70000"], 2, "--port"),
+        ([*serve, "--device", "gpu"], 2, "--device"),
+        ([*serve, "--device", "cuda:1"], 2, "torch sees 0 CUDA devices here"),  # this CPU-only torch
         ([*serve, "--max-gamma", "0"], 2, "--max-gamma"),
         ([*serve, "--kv-budget-mb", "-1"], 2, "--kv-budget-mb"),
         ([*serve, "--tls-cert", missing], 2, "TLS needs"),

@@ -81,6 +81,7 @@ class FakeEngine:
         self.cache_bytes = 0
         self.active_sessions = 0
         self.bytes_per_position = 0  # nothing to reserve: admission by memory admits every session
+        self.device = "cpu"
 
     def keep_finished(self, config, room=None) -> None:
         """The servicer's prefix-cache setting; the fake keeps no caches."""
