@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from verifier_service.grpc_kit import ServerConfig
@@ -15,7 +15,7 @@ class ReplicaConfig:
     # Ray reports for the replica's node, which the front can reach from another node.
     server: ServerConfig = ServerConfig(host="", port=0)
     num_cpus: float = 1.0  # Ray resources one replica holds (fractional values pack replicas)
-    num_gpus: float = 0.0
+    num_gpus: float | None = None  # None: 1 where the cluster has GPUs, 0 where it has none (placed)
     max_restarts: int = -1  # Ray restarts a dead replica process this often; -1 without end
     dtype: str = "auto"  # the target's dtype (TargetEngine.load)
     invariant: bool = True  # bit-exact kernels (TargetEngine.load)
@@ -26,8 +26,10 @@ class ReplicaConfig:
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    min_replicas: int = 1
-    max_replicas: int = 1  # equal to min_replicas: a fixed pool, no autoscaling
+    # None: one replica per GPU the cluster has room for (GPUs / num_gpus; 1 without GPUs), up to
+    # max_replicas where that is set (placed)
+    min_replicas: int | None = 1
+    max_replicas: int | None = 1  # equal to min_replicas (None: equal): a fixed pool, no autoscaling
     # Autoscaling aims at this many open sessions (streaming or waiting for a replica) per replica.
     target_sessions_per_replica: float = 8.0
     interval_s: float = 1.0  # how often the autoscaler and the health check look
@@ -37,6 +39,8 @@ class ScalingConfig:
     drain_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if None in (self.min_replicas, self.max_replicas):
+            return  # left to the cluster: `placed` resolves them, and checks the outcome
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"replicas: need 1 <= min <= max, got {self.min_replicas}, {self.max_replicas}")
         if self.target_sessions_per_replica <= 0:
@@ -63,3 +67,25 @@ class PoolConfig:
     # edges resume elsewhere with their committed tokens (a stall of about this many intervals, not the
     # whole freeze).
     frozen_after_misses: int = 2
+
+
+def placed(config: PoolConfig, cluster_gpus: float) -> PoolConfig:
+    """The config with what it leaves to the cluster resolved, for a cluster with `cluster_gpus` GPUs
+    (ray.cluster_resources()): each replica's GPUs (None: 1 where there are GPUs, else 0) and the
+    replica counts (min None: one replica per GPU, GPUs / num_gpus of them, 1 without GPUs; max None:
+    the min). Ray gives each replica GPUs of its own and shows it only those (CUDA_VISIBLE_DEVICES), so
+    a replica of `--device auto` runs on its own GPU."""
+    gpus = config.replica.num_gpus
+    if gpus is None:
+        gpus = 1.0 if cluster_gpus >= 1 else 0.0
+    scaling = config.scaling
+    room = max(1, int(cluster_gpus // gpus)) if gpus else 1
+    low = scaling.min_replicas
+    if low is None:
+        low = min(room, scaling.max_replicas or room)
+    high = scaling.max_replicas if scaling.max_replicas is not None else low
+    return replace(
+        config,
+        replica=replace(config.replica, num_gpus=gpus),
+        scaling=replace(scaling, min_replicas=low, max_replicas=high),
+    )

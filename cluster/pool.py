@@ -22,7 +22,7 @@ import grpc
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.config import PoolConfig, ReplicaConfig
+from cluster.config import PoolConfig, ReplicaConfig, placed
 from cluster.replica import ReplicaInfo, VerifierReplica
 from cluster.routing import Autoscaler, RoutingTable, Slot, State
 from draftwire import wire
@@ -43,7 +43,9 @@ class NoSuchNumerics(Exception):
 
 class Pool:
     def __init__(self, config: PoolConfig):
-        self.config = config
+        """`config`'s GPUs and replica counts left to the cluster are placed on the running Ray
+        cluster's GPUs (cluster.config.placed)."""
+        config = self.config = placed(config, ray.cluster_resources().get("GPU", 0))
         self.table = RoutingTable()
         self.autoscaler = Autoscaler(config.scaling)
         self.info: dict[str, ReplicaInfo] = {}  # each replica's current incarnation
@@ -272,7 +274,8 @@ class Pool:
             slot.address = info.address
         elif slot.state is not State.LIVE or slot.address != info.address:
             self.table.live(name, info.address)
-            log.info("replica %s serving at %s (pid %d)", name, info.address, info.pid)
+            on = f", GPU {','.join(map(str, info.gpus))}" if info.gpus else ""
+            log.info("replica %s serving at %s (pid %d%s)", name, info.address, info.pid, on)
         self._notify()
 
     async def _drain(self, name: str) -> None:

@@ -20,6 +20,7 @@ class ReplicaInfo:
     pid: int  # the process serving it (Ray's worker process for an actor)
     target_id: str
     numerics: str = ""  # the engine's Numerics.identity: the pool routes a session to its own only
+    gpus: tuple[int, ...] = ()  # the GPUs Ray gave this replica (its CUDA_VISIBLE_DEVICES), none on CPU
 
 
 class VerifierReplica:
@@ -55,7 +56,11 @@ class VerifierReplica:
                 server_config = dataclasses.replace(self.config.server, host=host, port=0)
                 self._server, port = await start_server(engine, server_config)
                 self._info = ReplicaInfo(
-                    _join(host, port), os.getpid(), engine.info.target_id, engine.numerics.identity
+                    _join(host, port),
+                    os.getpid(),
+                    engine.info.target_id,
+                    engine.numerics.identity,
+                    _gpu_ids(),
                 )
         return self._info
 
@@ -85,6 +90,13 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def _gpu_ids() -> tuple[int, ...]:
+    """The GPUs Ray assigned this actor (none outside Ray)."""
+    import ray
+
+    return tuple(int(g) for g in ray.get_gpu_ids()) if ray.is_initialized() else ()
 
 
 def _join(host: str, port: int) -> str:

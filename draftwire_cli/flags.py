@@ -81,6 +81,9 @@ count = bounded(int, 0, what="0 or more")
 positive = bounded(int, 1, what="1 or more")
 
 
+gpus = bounded(float, 0, what="0 or more GPUs")
+
+
 seconds = bounded(float, 0, what="0 or more seconds")
 
 

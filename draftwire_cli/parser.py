@@ -28,6 +28,7 @@ from draftwire_cli.flags import (
     count,
     default_of,
     gamma,
+    gpus,
     megabytes,
     port,
     positive,
@@ -346,12 +347,23 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
         "--address", help="Ray cluster to join (default: RAY_ADDRESS, set in a Ray job; else a local one)"
     )
     ray_group.add_argument(
-        "--replicas", type=positive, default=1, help="replicas (the minimum when autoscaling)"
+        "--replicas",
+        type=positive,
+        default=None,
+        help="replicas, the minimum when autoscaling (default: one per GPU of the cluster, 1 without GPUs)",
     )
     ray_group.add_argument("--max-replicas", type=positive, help="autoscale up to this many by open sessions")
     ray_group.add_argument("--sessions-per-replica", type=float, default=8.0, help="the autoscaler's aim")
     ray_group.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
-    ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
+    ray_group.add_argument(
+        "--gpus-per-replica",
+        "--replica-gpus",
+        dest="gpus_per_replica",
+        type=gpus,
+        default=None,
+        help="Ray GPUs per replica (default: 1 where the cluster has GPUs, 0 where it has none; each "
+        "replica then runs on a GPU of its own)",
+    )
     ray_group.add_argument(
         "--replica-host", default="", help="address replicas bind (default: their node's, as Ray reports it)"
     )

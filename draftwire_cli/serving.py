@@ -176,7 +176,7 @@ def _serve_pool(args, server) -> int:
             invariant=args.invariant,
             kernels=args.kernels,
             device=args.device,
-            num_gpus=args.replica_gpus,
+            num_gpus=args.gpus_per_replica,
         ),
         scaling=ScalingConfig(
             min_replicas=args.replicas,

@@ -1,8 +1,10 @@
 """The verifier pool on a real local Ray cluster: exact output through the front, routing, a real kill of a
-replica's process mid-generation, draining, autoscaling.
+replica's process mid-generation, draining, autoscaling, placement on GPUs.
 
 Ray starts once for the module (token authentication off: a private loopback cluster that dies with
-the module). The front, the pool and the edge sessions share one event loop in a background thread.
+the module). It declares two GPUs this machine does not have: Ray places replicas that ask for GPUs on
+them as it would on real ones, and torch in those replicas, seeing none, runs on the CPU. The front, the
+pool and the edge sessions share one event loop in a background thread.
 """
 
 import asyncio
@@ -37,6 +39,7 @@ from verifier_service.session import VerifierLimits, reference_decode
 
 ray = pytest.importorskip("ray")
 
+GPUS = 2  # declared by the module's cluster, not present
 PROMPTS = [tuple((11 + 29 * p + 13 * i) % 400 + 20 for i in range(12 + p)) for p in range(4)]
 
 
@@ -58,7 +61,7 @@ class LoopThread:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    with local_ray(num_cpus=4):
+    with local_ray(num_cpus=4, num_gpus=GPUS):
         yield
 
 
@@ -69,11 +72,15 @@ def loop(ray_cluster):
     thread.close()
 
 
-def pool_config(test_pair, scaling: ScalingConfig, admission: AdmissionConfig | None = None) -> PoolConfig:
+def pool_config(
+    test_pair, scaling: ScalingConfig, admission: AdmissionConfig | None = None, gpus: float | None = 0.0
+) -> PoolConfig:
+    """A pool of replicas of half a CPU each and `gpus` GPUs (default none: the module's pools share
+    the cluster, and its two GPUs go to the test of placement; None: placed by the cluster)."""
     limits = VerifierLimits(max_gamma=8)
     server = ServerConfig(host="127.0.0.1", port=0, limits=limits, admission=admission or AdmissionConfig())
     return PoolConfig(
-        replica=ReplicaConfig(test_pair.target_dir, server, num_cpus=0.5),
+        replica=ReplicaConfig(test_pair.target_dir, server, num_cpus=0.5, num_gpus=gpus),
         scaling=scaling,
         front=ServerConfig(host="127.0.0.1", port=0),
         open_timeout_s=60,
@@ -485,14 +492,24 @@ def test_autoscaling_follows_open_sessions_and_drains_back(loop, test_pair, engi
         loop.run(pool.close())
 
 
-def test_a_pool_of_mixed_numerics_resumes_a_session_only_on_its_own(loop, test_pair, engine):
-    """Two replicas started with different numerics: one with the bit-exact kernels, one with plain ones
-    (--no-bit-exact). A session on the exact replica whose process is killed waits for that replica's
-    restart and resumes there exactly, never on the live plain one. When the exact replica is gone for
-    good, the resume is refused with FAILED_PRECONDITION naming the numerics, and the edge keeps every
-    token committed so far, each the target's."""
+def test_replicas_are_placed_one_per_gpu_of_the_cluster(loop, test_pair):
+    """On a cluster with GPUs, the defaults (`serve --ray` without --replicas or --gpus-per-replica)
+    give each replica one GPU, and the pool as many replicas as the cluster has GPUs, read from the
+    running cluster."""
+    pool = Pool(pool_config(test_pair, ScalingConfig(min_replicas=None, max_replicas=None), gpus=None))
+    assert (pool.config.replica.num_gpus, pool.config.scaling.min_replicas) == (1.0, GPUS)
+    assert pool.config.scaling.max_replicas == GPUS
+
+
+def test_a_pool_of_mixed_numerics_on_gpus_resumes_a_session_only_on_its_own(loop, test_pair, engine):
+    """Two replicas on GPUs of their own, started with different numerics: one with the bit-exact
+    kernels, one with plain ones (--no-bit-exact), as replicas on two GPU models differ. A session on
+    the exact replica whose process is killed waits for that replica's restart and resumes there
+    exactly, never on the live plain one. When the exact replica is gone for good, the resume is refused
+    with FAILED_PRECONDITION naming the numerics, and the edge keeps every token committed so far, each
+    the target's."""
     scaling = ScalingConfig(min_replicas=1, max_replicas=1, interval_s=0.5)
-    pool, front, address = loop.run(start_pool(pool_config(test_pair, scaling)), timeout=180)
+    pool, front, address = loop.run(start_pool(pool_config(test_pair, scaling, gpus=None)), timeout=180)
     new_tokens = 160
     try:
         pool._replica_config = replace(pool._replica_config, invariant=False)  # noqa: SLF001 - the next replica
@@ -501,6 +518,8 @@ def test_a_pool_of_mixed_numerics_resumes_a_session_only_on_its_own(loop, test_p
         assert sorted(by_kind) == ["exact", "plain"], pool.info
         exact, plain = by_kind["exact"], by_kind["plain"]
         assert pool.info[exact].numerics == engine.numerics.identity
+        # Placed: a GPU each, not the same one.
+        assert sorted(pool.info[n].gpus for n in (exact, plain)) == [(0,), (1,)], pool.info
 
         async def killed_mid_run(kill):
             """Two paced generations, one on each replica; `kill` when both have committed 16 tokens.

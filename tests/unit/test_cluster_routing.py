@@ -1,8 +1,10 @@
 """Routing and scaling decisions of the pool, as tables: no Ray, no gRPC."""
 
+from pathlib import Path
+
 import pytest
 
-from cluster.config import ScalingConfig
+from cluster.config import PoolConfig, ReplicaConfig, ScalingConfig, placed
 from cluster.routing import Autoscaler, RoutingTable, State, soonest
 
 
@@ -121,3 +123,31 @@ def test_scaling_config_refuses_impossible_bounds():
         ScalingConfig(min_replicas=2, max_replicas=1)
     with pytest.raises(ValueError):
         ScalingConfig(min_replicas=0, max_replicas=1)
+
+
+def pool(gpus: float | None, low: int | None, high: int | None) -> PoolConfig:
+    return PoolConfig(ReplicaConfig(Path("target"), num_gpus=gpus), ScalingConfig(low, high))
+
+
+@pytest.mark.parametrize(
+    ("asked", "cluster_gpus", "placed_as"),
+    [
+        # (num_gpus, min, max) asked -> (num_gpus, min, max) on a cluster with this many GPUs
+        ((None, None, None), 0, (0.0, 1, 1)),  # the defaults on a CPU cluster: one CPU replica
+        ((None, None, None), 8, (1.0, 8, 8)),  # on 8 GPUs: a replica per GPU
+        ((None, None, 4), 8, (1.0, 4, 4)),  # --max-replicas caps the replicas per GPU
+        ((None, None, 16), 8, (1.0, 8, 16)),  # and autoscales above them (Ray's autoscaler adds GPUs)
+        ((0.5, None, None), 2, (0.5, 4, 4)),  # two replicas share each GPU
+        ((None, 2, 6), 8, (1.0, 2, 6)),  # counts given are kept
+        ((0.0, None, None), 8, (0.0, 1, 1)),  # CPU replicas on a GPU cluster
+        ((None, None, None), 0.5, (0.0, 1, 1)),  # less than a GPU: none to give a replica
+    ],
+)
+def test_replicas_are_placed_one_per_gpu_by_default(asked, cluster_gpus, placed_as):
+    config = placed(pool(*asked), cluster_gpus)
+    assert (config.replica.num_gpus, config.scaling.min_replicas, config.scaling.max_replicas) == placed_as
+
+
+def test_placed_counts_are_checked():
+    with pytest.raises(ValueError, match="replicas"):
+        placed(pool(None, 4, 2), 8)

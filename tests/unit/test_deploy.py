@@ -35,7 +35,7 @@ def check_entrypoint(argv: list[str]) -> None:
     assert args.command == "serve" and args.ray
     assert (args.host, args.port) == ("0.0.0.0", FRONT_PORT)
     assert str(args.target) == "/models/target"
-    assert args.replica_gpus == 1
+    assert args.gpus_per_replica == 1
     # It listens on every address: only over TLS, and only for clients with a token.
     assert args.tls_cert and args.tls_key and args.auth_tokens
     assert all(str(f).startswith("/etc/draftwire/") for f in (args.tls_cert, args.tls_key, args.auth_tokens))

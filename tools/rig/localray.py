@@ -9,7 +9,9 @@ import os
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int):
+def local_ray(num_cpus: int, num_gpus: int = 0):
+    """`num_gpus`: GPUs the cluster declares whether or not the machine has them (Ray then places
+    replicas on them and sets each one's CUDA_VISIBLE_DEVICES; torch on a CPU sees none)."""
     import ray
 
     saved = os.environ.get("RAY_AUTH_MODE")
@@ -17,7 +19,13 @@ def local_ray(num_cpus: int):
     try:
         for attempt in (1, 2):
             try:
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
                 break
             except Exception as e:  # Ray raises a bare Exception for it
                 if attempt == 2 or "timed out during startup" not in str(e):
