@@ -44,8 +44,10 @@ class NoSuchNumerics(Exception):
 class Pool:
     def __init__(self, config: PoolConfig):
         """`config`'s GPUs and replica counts left to the cluster are placed on the running Ray
-        cluster's GPUs (cluster.config.placed)."""
-        config = self.config = placed(config, ray.cluster_resources().get("GPU", 0))
+        cluster's GPUs (cluster.config.placed; as on a cluster without GPUs where Ray is not running,
+        which launches nothing)."""
+        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        config = self.config = placed(config, gpus)
         self.table = RoutingTable()
         self.autoscaler = Autoscaler(config.scaling)
         self.info: dict[str, ReplicaInfo] = {}  # each replica's current incarnation

@@ -7,7 +7,9 @@ advice, and a draft that strays from them is rejected like any other.
 
 Both sides build llguidance's tokenizer with `table_tokenizer` from the token table their vocabulary's
 fingerprint covers (draftwire.vocab): the verifier from transformers' tokenizer, the edge from the GGUF's
-vocabulary. This module takes the table and imports neither library.
+vocabulary. This module takes the table and imports neither library; llguidance itself is imported where
+a constraint is first compiled or checked, so that a verifier that serves none (a machine without it)
+imports this module all the same.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 
 from draftwire.contract import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
 from draftwire.vocab import Token
+
+if TYPE_CHECKING:
+    import llguidance
 
 # JSON as a model writes it: one space after ':' and ',', no other whitespace (flexible whitespace lets a
 # model pad with newlines until max_tokens). Where a byte is forced, the draft and the target both take it.
@@ -42,6 +47,8 @@ def field_name(constraint: Constraint) -> str:
 def grammar_source(constraint: Constraint) -> str:
     """llguidance's grammar for the constraint (not yet checked). Raises InvalidConstraint for a source
     over MAX_CONSTRAINT_BYTES, or a schema that is not a JSON object."""
+    import llguidance
+
     name = field_name(constraint)
     size = len(constraint.source.encode("utf-8", "surrogatepass"))
     if size > MAX_CONSTRAINT_BYTES:
@@ -72,6 +79,8 @@ def grammar_source(constraint: Constraint) -> str:
 def check_constraint(constraint: Constraint) -> None:
     """Checks a constraint without a vocabulary (a client's early check; the verifier's is
     `compile_constraint`). Raises InvalidConstraint naming the field."""
+    import llguidance
+
     source = grammar_source(constraint)
     error = llguidance.LLMatcher.validate_grammar(source, limits=llguidance.LLParserLimits(**LIMITS))
     if error:
@@ -86,6 +95,7 @@ def table_tokenizer(
     turns text (bytes) into ids. Built from the compared table, the verifier's masks treat each id as the
     edge's do: `llguidance.hf` takes every added token for a special one, and then allowed Qwen2's
     `<tool_call>` (text to transformers) where the grammar asks for the text, and failed on consuming it."""
+    import llguidance
 
     class Vocabulary:
         eos_token_id = eos_token_ids[0] if eos_token_ids else None
@@ -124,6 +134,8 @@ class Matcher:
     allow would put it in an error state for good, so none is ever consumed unchecked."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, source: str):
+        import llguidance
+
         self._matcher = llguidance.LLMatcher(
             tokenizer, source, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)
         )

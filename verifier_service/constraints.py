@@ -8,12 +8,14 @@ The tokenizer is built once per engine, from the token table of the transformers
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from draftwire.contract import SessionSpec
 from draftwire.grammar import Matcher, compile_constraint, table_tokenizer
 from draftwire.vocab import tokens_from_hf
+
+if TYPE_CHECKING:
+    import llguidance  # imported by draftwire.grammar where a constraint is built
 
 
 def grammar_tokenizer(engine) -> llguidance.LLTokenizer | None:

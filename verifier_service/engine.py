@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from draftwire.contract import Numerics, TargetInfo
 from draftwire.vocab import vocabulary_from_hf
-from verifier_service import families, mapped
+from verifier_service import cuda, families, mapped
 from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
 from verifier_service.invariant import NotInvariant, make_invariant
@@ -113,7 +113,7 @@ class TargetEngine:
             numerics_.resolve_device(device, torch.cuda.device_count()) if named else hardware.device
         )
         if invariant and dev.type == "cuda":
-            invariant_.cuda_determinism()  # before the first cuBLAS call
+            cuda.determinism()  # before the first cuBLAS call
         candidates = numerics_.plan(dtype, hardware, invariant, kernels)
         refusal = families.refusal(AutoConfig.from_pretrained(model_dir).model_type)
         if refusal is not None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import statistics
 import time
 from collections import Counter
@@ -114,34 +113,6 @@ def portable_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> tup
     for every call."""
     rows = PORTABLE_ROWS.get(torch.device(device).type, PORTABLE_ROWS_ELSEWHERE)
     return rows, rows
-
-
-# cuBLAS keeps a workspace per stream; with this size and count its kernels are deterministic run to run
-# (NVIDIA's documented setting for reproducibility), read when the first cuBLAS handle is made.
-CUBLAS_WORKSPACE = ":4096:8"
-
-
-def cuda_determinism() -> dict[str, object]:
-    """Sets what CUDA needs for the portable backend's calls to give the same bits every time, before
-    the first CUDA call of a load: a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG, unless set), no
-    TF32 in float32 products or convolutions, no reduced-precision reductions in bfloat16 and float16
-    products (a split-K that reduces in the narrow type), and torch's deterministic algorithms (no atomics
-    in reductions). The split-K that cuBLAS picks by shape is left fixed by the backend itself: every
-    call of one weight has one shape (portable_rows). Returns what it set, for the startup report."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    matmul = torch.backends.cuda.matmul
-    matmul.allow_tf32 = False
-    matmul.allow_fp16_reduced_precision_reduction = False
-    matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False  # no kernel chosen by timing
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    return {
-        "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-        "tf32": False,
-        "reduced_precision_reductions": False,
-        "deterministic_algorithms": True,
-    }
 
 
 def in_row_chunks(

@@ -13,7 +13,7 @@ import torch
 
 from draftwire_cli import doctor
 from draftwire_cli.cliargs import device_name
-from verifier_service import invariant
+from verifier_service import cuda
 from verifier_service.admission import AdmissionConfig
 from verifier_service.numerics import NoSuchDevice, resolve_device
 from verifier_service.stream import available_memory, sized
@@ -63,48 +63,29 @@ def test_the_flag_takes_the_names_and_refuses_others():
 
 
 @pytest.fixture
-def cuda_settings():
-    """CUDA's global settings, restored after the test (cuda_determinism sets them process-wide)."""
-    matmul = torch.backends.cuda.matmul
-    saved = (
-        matmul.allow_tf32,
-        matmul.allow_fp16_reduced_precision_reduction,
-        matmul.allow_bf16_reduced_precision_reduction,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.benchmark,
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
-    yield
-    (tf32, fp16, bf16, cudnn_tf32, benchmark, deterministic, warn_only, workspace) = saved
-    matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
-    matmul.allow_bf16_reduced_precision_reduction = bf16
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = cudnn_tf32, benchmark
-    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    if workspace is None:
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    else:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
-
-
-def test_cuda_is_set_for_the_same_bits_every_call(cuda_settings, monkeypatch):
+def cuda_settings(monkeypatch):
+    """CUDA's global settings, put back after the test (cuda.determinism sets them process-wide)."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with cuda.CudaSettings.read().applied():
+        yield
+
+
+def test_cuda_is_set_for_the_same_bits_every_call(cuda_settings):
     matmul = torch.backends.cuda.matmul
     matmul.allow_tf32 = matmul.allow_bf16_reduced_precision_reduction = True  # what a user's code may set
     torch.backends.cudnn.allow_tf32 = True
-    said = invariant.cuda_determinism()
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == invariant.CUBLAS_WORKSPACE
+    cuda.determinism()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == cuda.CUBLAS_WORKSPACE
     assert not matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert not matmul.allow_fp16_reduced_precision_reduction
     assert not matmul.allow_bf16_reduced_precision_reduction
     assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
-    assert said["CUBLAS_WORKSPACE_CONFIG"] == invariant.CUBLAS_WORKSPACE
 
 
 def test_an_operators_cublas_workspace_is_kept(cuda_settings, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the other documented deterministic size
-    assert invariant.cuda_determinism()["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    cuda.determinism()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_the_kv_budget_on_a_gpu_is_half_its_free_memory(monkeypatch):

@@ -64,16 +64,22 @@ class Plain:
         cache.crop(-len(ids[0]))
 
 
-class Invariant:
-    """The engine in invariant mode on one backend; sessions s0..s15 hold `held` random positions."""
+class EngineArm:
+    """A TargetEngine (invariant on one backend, or plain) whose sessions s0, s1, ... each hold `held`
+    random positions."""
 
-    def __init__(self, target: Path, dtype: str, kernels: str, held: int):
-        self.engine = TargetEngine.load(target, dtype=dtype, kernels=kernels)
+    def __init__(self, engine: TargetEngine, held: int, sessions: int = SESSIONS):
+        self.engine = engine
         g = torch.Generator().manual_seed(0)
-        vocab = self.engine.info.vocabulary.size
-        for s in range(SESSIONS):
-            self.engine.forward(f"s{s}", 0, [0], wants_logits=False)  # the session's layers, then its context
-            self.engine._fill(f"s{s}", [random.Random(s).randrange(vocab) for _ in range(held)], g)
+        vocab = engine.info.vocabulary.size
+        for s in range(sessions):
+            engine.forward(f"s{s}", 0, [0], wants_logits=False)  # the session's layers, then its context
+            engine._fill(f"s{s}", [random.Random(s).randrange(vocab) for _ in range(held)], g)
+
+    @classmethod
+    def invariant(cls, target: Path, dtype: str, kernels: str, held: int) -> EngineArm:
+        """The engine in invariant mode on one backend (onednn, portable)."""
+        return cls(TargetEngine.load(target, dtype=dtype, kernels=kernels), held)
 
     def prefill(self, ids: list[int]) -> None:
         self.engine.forward("prefill", 0, ids, wants_logits=False)
@@ -93,25 +99,38 @@ def cases(prefill: int, held: int, vocab: int) -> dict[str, Callable[[object], N
     }
 
 
+def interleaved(
+    call: Callable[[object], None],
+    arms: dict[str, object],
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Median milliseconds of `call(arm)` per arm: a warm-up each (kernels, caches' capacity), then the
+    arms take turns within each repeat. `sync` waits for the device's queued work (CUDA's is
+    asynchronous) before and after each timed call."""
+    times: dict[str, list[float]] = {label: [] for label in arms}
+    for arm in arms.values():
+        call(arm)
+    for _ in range(repeats):
+        for label, arm in arms.items():
+            sync()
+            start = time.perf_counter()
+            call(arm)
+            sync()
+            times[label].append(time.perf_counter() - start)
+    return {label: 1000 * statistics.median(t) for label, t in times.items()}
+
+
 def measure(target: Path, dtype: str, arms: list[str], prefill: int, held: int, repeats: int) -> dict:
     """Median milliseconds per case and arm, and what each invariant arm reports of itself."""
-    loaded = {}
+    loaded: dict[str, object] = {}
     for arm in arms:
-        loaded[arm] = Plain(target, dtype) if arm == "plain" else Invariant(target, dtype, arm, held)
-    vocab = next(a.engine for a in loaded.values() if isinstance(a, Invariant)).info.vocabulary.size
-    results = {}
-    for name, call in cases(prefill, held, vocab).items():
-        times: dict[str, list[float]] = {arm: [] for arm in loaded}
-        for arm in loaded.values():  # warm-up: kernels, caches' capacity
-            call(arm)
-        for _ in range(repeats):
-            for label, arm in loaded.items():
-                start = time.perf_counter()
-                call(arm)
-                times[label].append(time.perf_counter() - start)
-        results[name] = {label: 1000 * statistics.median(t) for label, t in times.items()}
+        plain = arm == "plain"
+        loaded[arm] = Plain(target, dtype) if plain else EngineArm.invariant(target, dtype, arm, held)
+    vocab = next(a.engine for a in loaded.values() if isinstance(a, EngineArm)).info.vocabulary.size
+    results = {name: interleaved(call, loaded, repeats) for name, call in cases(prefill, held, vocab).items()}
     numerics = {
-        label: arm.engine.numerics.identity for label, arm in loaded.items() if isinstance(arm, Invariant)
+        label: arm.engine.numerics.identity for label, arm in loaded.items() if isinstance(arm, EngineArm)
     }
     return {"ms": results, "numerics": numerics}
 
