@@ -75,6 +75,119 @@ def block_attention(
     return out.reshape(heads, n, dim).transpose(0, 1)[None]
 
 
+def batched_block_attention(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    widths: list[int],
+    scaling: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    masks: dict | None = None,
+) -> torch.Tensor:
+    """`block_attention` of many sessions' new positions in one set of calls, not one set per session:
+    the sessions' query chunks (items) padded to one row count and their keys to one key span, both with
+    zeros, then one product for the scores, one softmax and one product per key block for the values,
+    summed in position order. Each query gets the bits block_attention gives it alone: the padding adds
+    rows that no other row reads, and key blocks of weight exactly 0 at the end of a row, as a longer
+    call of block_attention does (the load proves it: invariant.check_attention).
+
+    query [1, heads, sum(widths), head_dim]: each session's new positions, one after another
+    keys, values: per session [1, kv_heads, held, head_dim], its new positions last
+    masks: a dict that keeps what is built here for the next layer of the forward, or None
+    returns [1, sum(widths), heads, head_dim] in the query's dtype
+    """
+    _, heads, total, dim = query.shape
+    kv_heads = keys[0].shape[1]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    masks = {} if masks is None else masks
+    held = [k.shape[2] for k in keys]
+    plan = masks.get(("batched", window, tuple(held)))
+    if plan is None:
+        plan = masks[("batched", window, tuple(held))] = _BatchPlan(widths, held, group, window, query.device)
+    q = (query[0].float() * scale).reshape(kv_heads, group, total, dim)
+    q = torch.cat([q, q.new_zeros(kv_heads, group, 1, dim)], 2)  # position `total`: the padding rows' zeros
+    rows = q[:, plan.q_group, plan.q_token].transpose(0, 1)  # [items, kv_heads, R, dim]
+    k, v = (_spans(states, plan) for states in (keys, values))  # [items, kv_heads, K, dim]
+    scores = torch.matmul(rows, k.transpose(2, 3))  # [items, kv_heads, R, K]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(plan.hidden, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    items, _, r, span = weights.shape
+    blocks = span // KEY_BLOCK
+    per_block = torch.bmm(
+        weights.view(items, kv_heads, r, blocks, KEY_BLOCK)
+        .permute(0, 1, 3, 2, 4)
+        .reshape(items * kv_heads * blocks, r, KEY_BLOCK),
+        v.reshape(items * kv_heads * blocks, KEY_BLOCK, dim),
+    ).view(items, kv_heads, blocks, r, dim)
+    out = per_block[:, :, 0].clone()
+    for block in range(1, blocks):
+        out += per_block[:, :, block]
+    # Back to each token's heads: token t's head (h, g) is row g * m + j of its item.
+    picked = out.transpose(1, 2)[plan.out_item, plan.out_row]  # [total, group, kv_heads, dim]
+    return picked.transpose(1, 2).reshape(1, total, heads, dim).to(query.dtype)
+
+
+class _BatchPlan:
+    """Where each query chunk of a batch of sessions sits, built once a forward and kept for its other
+    layers: the items (a session's chunk of at most QUERY_CHUNK queries, with the key blocks they
+    read), the gathers in and out, and which keys each row does not see."""
+
+    def __init__(self, widths: list[int], held: list[int], group: int, window: int | None, device):
+        items = []  # (session, first query's position, queries, lo, hi, the chunk's first token)
+        offset = 0
+        for s, (n, h) in enumerate(zip(widths, held, strict=True)):
+            first = h - n
+            for a in range(0, n, QUERY_CHUNK):
+                b = min(n, a + QUERY_CHUNK)
+                lo = 0 if window is None else max(0, first + a + 1 - window) // KEY_BLOCK * KEY_BLOCK
+                hi = -(-(first + b) // KEY_BLOCK) * KEY_BLOCK
+                items.append((s, first + a, b - a, lo, hi, offset + a))
+            offset += n
+        self.items = items
+        r = max(MIN_QUERY_ROWS, group * max(m for _, _, m, _, _, _ in items))
+        span = max(hi - lo for _, _, _, lo, hi, _ in items)
+        total = offset
+        q_group = torch.zeros(len(items), r, dtype=torch.long)
+        q_token = torch.full((len(items), r), total, dtype=torch.long)  # the zero row
+        q_pos = torch.full((len(items), r), -1, dtype=torch.long)  # -1: a padding row
+        out_item = torch.empty(total, group, dtype=torch.long)
+        out_row = torch.empty(total, group, dtype=torch.long)
+        for i, (_, position, m, _, _, token) in enumerate(items):
+            j = torch.arange(m)
+            for g in range(group):
+                q_group[i, g * m : (g + 1) * m] = g
+                q_token[i, g * m : (g + 1) * m] = token + j
+                q_pos[i, g * m : (g + 1) * m] = position + j
+                out_item[token : token + m, g] = i
+                out_row[token : token + m, g] = g * m + j
+        lo = torch.tensor([it[3] for it in items])[:, None, None]
+        hi = torch.tensor([it[4] for it in items])[:, None, None]
+        key_pos = lo + torch.arange(span)[None, None, :]  # [items, 1, K]
+        pos = q_pos[:, :, None]  # [items, R, 1]
+        real = pos >= 0
+        hidden = (key_pos >= hi) | (real & (key_pos > pos))
+        if window is not None:
+            hidden |= real & (key_pos <= pos - window)
+        self.hidden = hidden[:, None].to(device)  # [items, 1, R, K]
+        self.q_group, self.q_token = q_group.to(device), q_token.to(device)
+        self.out_item, self.out_row = out_item.to(device), out_row.to(device)
+        self.span = span
+
+
+def _spans(states: list[torch.Tensor], plan: _BatchPlan) -> torch.Tensor:
+    """Each item's key blocks lo..hi of its session's keys (or values) in float32, zeros past the held
+    positions and past the item's own span, as one tensor.  # -> [items, kv_heads, K, dim]"""
+    parts = [states[s][0, :, lo:hi].transpose(0, 1) for s, _, _, lo, hi, _ in plan.items]
+    padded = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)  # [items, longest, kv_heads, dim]
+    if padded.shape[1] < plan.span:
+        padded = torch.nn.functional.pad(padded, (0, 0, 0, 0, 0, plan.span - padded.shape[1]))
+    return padded.float().permute(0, 2, 1, 3)
+
+
 def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The weighted sum of the values, one key block at a time in position order: a matrix product per
     block (the reduction over keys never longer than KEY_BLOCK), each kv head's blocks in one batched

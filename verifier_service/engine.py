@@ -27,7 +27,7 @@ from draftwire.vocab import vocabulary_from_hf
 from verifier_service import cuda, families, mapped
 from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
-from verifier_service.invariant import NotInvariant, make_invariant
+from verifier_service.invariant import NotInvariant, batched_attention_holds, make_invariant
 from verifier_service.kv import ROWS_ATTENTION, GrowingLayer, PrefixCache, RowsCache, SessionCache
 from verifier_service.numerics import Hardware, NoExactPath
 from verifier_service.settings import PrefixCacheConfig
@@ -68,6 +68,11 @@ class TargetEngine:
         self.kernels = invariant_.resolve(kernels, model.dtype, device) if invariant else None
         # onednn pads a small call's rows to the fastest minimum here (invariant.choose_padding).
         self.padding = make_invariant(model, self.kernels) if invariant else None
+        # Off a CPU, a layer's attention runs all its sessions in one set of calls where that gives each
+        # query the bits it gets alone here (checked); on a CPU, one session at a time is faster (views of
+        # the caches, no copies), and the same bits.
+        on_cpu = torch.device(device).type == "cpu"
+        self.batched_attention = invariant and not on_cpu and batched_attention_holds(model.dtype, device)
         self.invariant = invariant
         self.model = model
         self.info = info
@@ -348,7 +353,9 @@ class TargetEngine:
             out = self.model(
                 input_ids=ids[None].to(self.device),
                 position_ids=positions[None].to(self.device),
-                past_key_values=RowsCache([c.layers for _, c in live], widths, self.invariant),
+                past_key_values=RowsCache(
+                    [c.layers for _, c in live], widths, self.invariant, self.batched_attention
+                ),
                 use_cache=True,
                 logits_to_keep=keep,
             )

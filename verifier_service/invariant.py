@@ -52,7 +52,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from verifier_service import mapped
-from verifier_service.attention import KEY_BLOCK, QUERY_CHUNK, block_attention
+from verifier_service.attention import KEY_BLOCK, QUERY_CHUNK, batched_block_attention, block_attention
 
 BACKENDS = ("onednn", "portable")  # what --kernels names besides auto (verifier_service/numerics.py)
 
@@ -425,3 +425,28 @@ def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed
                     f"{dtype} attention at position {p} differs alone, in a round and in a prefill "
                     "on this machine"
                 )
+
+
+def batched_attention_holds(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> bool:
+    """Whether `batched_block_attention` gives every query of a batch of sessions the bits that
+    `block_attention` gives it on its own here, in two companies: rounds, a decode and a prefill chunk
+    past QUERY_CHUNK at short and long context beside each other, then one round beside a long prefill
+    (which widens the padded rows and key span of everything in the call). A GPU's kernels may pick their
+    reductions by a tensor's size, so this is asked of the machine, not assumed."""
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 12, 2, 128  # Qwen2.5's
+    companies = (
+        [(40, 5), (1000, 1), (300, 9), (QUERY_CHUNK + 40, QUERY_CHUNK + 40)],
+        [(300, 5), (1500, 600)],
+    )
+    for sessions in companies:
+        qs, ks, vs = [], [], []
+        for held, n in sessions:
+            qs.append(torch.randn(1, heads, n, dim, generator=generator).to(device, dtype))
+            for states in (ks, vs):
+                states.append(torch.randn(1, kv_heads, held, dim, generator=generator).to(device, dtype))
+        alone = torch.cat([block_attention(q, k, v) for q, k, v in zip(qs, ks, vs, strict=True)], 1)
+        batched = batched_block_attention(torch.cat(qs, 2), ks, vs, [n for _, n in sessions])
+        if not torch.equal(alone, batched):
+            return False
+    return True

@@ -15,7 +15,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from verifier_service.attention import KEY_BLOCK, block_attention, softcapped_attention
+from verifier_service.attention import (
+    KEY_BLOCK,
+    batched_block_attention,
+    block_attention,
+    softcapped_attention,
+)
 from verifier_service.settings import PrefixCacheConfig
 
 
@@ -83,6 +88,7 @@ class _Rows:
     widths: list[int]  # new positions per row
     masks: dict  # the batch's causal masks, built once for all its layers: _causal_mask's arguments -> mask
     exact: bool = False  # invariant mode: attention in fixed key blocks (attention.block_attention)
+    batched: bool = False  # and all sessions in one set of calls (attention.batched_block_attention)
 
 
 class _RowsLayer:
@@ -91,8 +97,16 @@ class _RowsLayer:
 
     is_sliding = False
 
-    def __init__(self, sessions: list[GrowingLayer], widths: list[int], masks: dict, exact: bool):
-        self.sessions, self.widths, self.masks, self.exact = sessions, widths, masks, exact
+    def __init__(
+        self, sessions: list[GrowingLayer], widths: list[int], masks: dict, exact: bool, batched: bool
+    ):
+        self.sessions, self.widths, self.masks, self.exact, self.batched = (
+            sessions,
+            widths,
+            masks,
+            exact,
+            batched,
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states  # [1, kv_heads, sum(widths), head_dim]: the rows one after another
@@ -107,18 +121,29 @@ class _RowsLayer:
         ]
         keys, values = ([states[i] for states in held] for i in (0, 1))
         return (
-            _Rows(keys, self.widths, self.masks, self.exact),
-            _Rows(values, self.widths, self.masks, self.exact),
+            _Rows(keys, self.widths, self.masks, self.exact, self.batched),
+            _Rows(values, self.widths, self.masks, self.exact, self.batched),
         )
 
 
 class RowsCache(Cache):
     """The past_key_values of a batch: each row reads and grows its own session's cache in place, so no
-    session's cache is copied into the batch. Paired with `rows_attention`."""
+    session's cache is copied into the batch. Paired with `rows_attention`. `exact`: invariant attention;
+    `batched`: all of a layer's sessions in one set of calls (a GPU's way: per session, a layer's calls
+    are launches; on a CPU the copies into one tensor cost more than the calls)."""
 
-    def __init__(self, sessions: list[list[GrowingLayer]], widths: list[int], exact: bool = False):
+    def __init__(
+        self,
+        sessions: list[list[GrowingLayer]],
+        widths: list[int],
+        exact: bool = False,
+        batched: bool = False,
+    ):
         masks = {}
-        layers = [_RowsLayer(list(layer), widths, masks, exact) for layer in zip(*sessions, strict=True)]
+        layers = [
+            _RowsLayer(list(layer), widths, masks, exact, exact and batched)
+            for layer in zip(*sessions, strict=True)
+        ]
         super().__init__(layers=layers)
 
 
@@ -138,6 +163,11 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if not isinstance(key, _Rows):
         raise TypeError("rows_attention reads the sessions' caches: run the model through TargetEngine")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if key.batched:
+        out = batched_block_attention(
+            query, key.states, value.states, key.widths, scaling, window, softcap, key.masks
+        )
+        return out, None
     outputs = []
     for rows, keys, values in zip(query.split(key.widths, dim=2), key.states, value.states, strict=True):
         if key.exact:

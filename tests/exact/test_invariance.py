@@ -61,3 +61,16 @@ def test_the_plain_bfloat16_path_is_not_invariant(pair, prompts):
     nine = together(engine, prompts[:1], [9])[0]
     if torch.equal(nine, alone):
         pytest.skip("the plain bfloat16 kernels happen to agree on this CPU: the control shows nothing here")
+
+
+@pytest.mark.parametrize("dtype", dtype_params("float32", "bfloat16"))
+def test_a_batch_whose_attention_runs_in_one_set_of_calls_gives_each_row_its_bits_alone(pair, prompts, dtype):
+    """A GPU's path (engine.batched_attention: every session of a layer in one set of attention calls,
+    attention.batched_block_attention), forced on this CPU, whose own path is one session at a time:
+    each position of a ragged batch, prompts prefilled that way too, has the bits it has alone."""
+    engine = TargetEngine.load(pair / smollm2.TARGET, dtype=dtype)
+    assert not engine.batched_attention  # a CPU's choice
+    alone = [one_at_a_time(engine, f"a{i}", p) for i, p in enumerate(prompts)]
+    engine.batched_attention = True
+    for rows, expected in zip(together(engine, prompts, [5, 1, 9]), alone, strict=True):
+        assert torch.equal(rows, expected[: rows.shape[0]])

@@ -11,7 +11,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 
 from tests.capability import dtype_params
 from verifier_service import invariant
-from verifier_service.attention import block_attention
+from verifier_service.attention import batched_block_attention, block_attention
 from verifier_service.invariant import make_invariant, pack_weight, packed_linear
 
 DTYPES = dtype_params(torch.float32, torch.bfloat16)
@@ -388,3 +388,42 @@ def test_the_load_keeps_calls_of_the_proven_size_and_refuses_what_it_cannot_prov
     monkeypatch.setattr(invariant, "check_linear", fails)
     with pytest.raises(invariant.NotInvariant):
         make_invariant(_tiny_llama(torch.float32, invariant_mode=False), "onednn", padding=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window", "softcap", "sessions"),
+    [
+        (9, 3, 64, None, None, [(1000, 5), (40, 1), (300, 9), (1, 1), (700, 700)]),  # SmolLM2's heads
+        (12, 2, 128, None, None, [(257, 5), (256, 3), (512, 2)]),  # Qwen2.5's, at block edges
+        (4, 1, 256, 512, 50.0, [(600, 5), (40, 40), (300, 1)]),  # Gemma's, windowed and capped
+        (4, 4, 32, 300, None, [(1317, 600), (20, 4)]),  # query chunks past QUERY_CHUNK
+    ],
+)
+def test_batched_attention_gives_each_query_its_bits_alone(
+    heads, kv_heads, dim, window, softcap, sessions, dtype
+):
+    """A batch of sessions' attention in one set of calls (a GPU's path) equals each session's own call of
+    block_attention bit for bit: the padded rows and key blocks change nothing."""
+    g = torch.Generator().manual_seed(len(sessions))
+    qs, ks, vs = [], [], []
+    for held, n in sessions:
+        qs.append(torch.randn(1, heads, n, dim, generator=g).to(dtype))
+        ks.append(torch.randn(1, kv_heads, held, dim, generator=g).to(dtype))
+        vs.append(torch.randn(1, kv_heads, held, dim, generator=g).to(dtype))
+    own = zip(qs, ks, vs, strict=True)
+    alone = torch.cat([block_attention(q, k, v, None, window, softcap) for q, k, v in own], 1)
+    batched = batched_block_attention(
+        torch.cat(qs, 2), ks, vs, [n for _, n in sessions], None, window, softcap
+    )
+    assert torch.equal(batched, alone)
+    assert invariant.batched_attention_holds(dtype)  # what a load off a CPU asks of its machine
+
+
+def test_a_batch_whose_rows_differ_is_seen_to_differ(monkeypatch):
+    """The load's question can say no: padding that changed a row's bits would be caught."""
+    import verifier_service.invariant as inv
+
+    real = inv.batched_block_attention
+    monkeypatch.setattr(inv, "batched_block_attention", lambda *a, **k: real(*a, **k) * (1 + 2**-20))
+    assert not inv.batched_attention_holds(torch.float32)
