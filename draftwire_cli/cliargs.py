@@ -24,12 +24,14 @@ def rig(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def device_name(text: str) -> str:
-    """--device's syntax (auto, cpu, cuda, cuda:N); whether this machine has it is the load's question."""
-    name = text.strip().lower()
-    kind, colon, index = name.partition(":")
-    if name in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
-        return name
-    raise argparse.ArgumentTypeError(f"unknown device {text!r}: choose auto, cpu, cuda or cuda:N")
+    """--device's syntax (verifier_service.numerics.device_name); whether this machine has the device is
+    the load's question."""
+    from verifier_service import numerics  # no torch: the edge's commands parse with it too
+
+    try:
+        return numerics.device_name(text)
+    except numerics.NoSuchDevice as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_device(p: argparse.ArgumentParser) -> None:

@@ -90,7 +90,7 @@ def batched_block_attention(
     zeros, then one product for the scores, one softmax and one product per key block for the values,
     summed in position order. Each query gets the bits block_attention gives it alone: the padding adds
     rows that no other row reads, and key blocks of weight exactly 0 at the end of a row, as a longer
-    call of block_attention does (the load proves it: invariant.check_attention).
+    call of block_attention does (asked of the machine at load: invariant.batched_attention_holds).
 
     query [1, heads, sum(widths), head_dim]: each session's new positions, one after another
     keys, values: per session [1, kv_heads, held, head_dim], its new positions last

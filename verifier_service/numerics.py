@@ -46,20 +46,27 @@ class NoSuchDevice(ValueError):
     """`--device` names a device this machine's torch does not have."""
 
 
+def device_name(text: str) -> str:
+    """`--device`'s syntax: auto, cpu, cuda or cuda:N, normalised (lower case, no spaces); raises
+    NoSuchDevice for anything else. Whether this machine has the device is resolve_device's question."""
+    name = text.strip().lower()
+    kind, colon, index = name.partition(":")
+    if name in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
+        return name
+    raise NoSuchDevice(f"unknown device {text!r}: choose {DEVICES}")
+
+
 def resolve_device(requested: str | None, cuda_devices: int) -> str:
     """The torch device `--device` names on a machine whose torch sees `cuda_devices` CUDA devices
     (torch.cuda.device_count(); 0 on a CPU-only build): auto (or None) takes the first GPU where there
     is one, else the CPU. Raises NoSuchDevice, in one line, for a malformed name or a GPU that is not
     there."""
-    name = (requested or "auto").strip().lower()
+    name = device_name(requested or "auto")
     if name == "auto":
         return "cuda:0" if cuda_devices else "cpu"
     if name == "cpu":
         return "cpu"
-    kind, _, index = name.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise NoSuchDevice(f"unknown device {requested!r}: choose {DEVICES}")
-    number = int(index or 0)
+    number = int(name.partition(":")[2] or 0)
     if number >= cuda_devices:
         seen = f"{cuda_devices} CUDA device{'s' if cuda_devices != 1 else ''}"
         raise NoSuchDevice(
