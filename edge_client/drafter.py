@@ -20,6 +20,7 @@ from draftwire.grammar import InvalidConstraint, Matcher, compile_constraint, ta
 from draftwire.rules import adjusted_logits, choose_tokens, masked_logits
 from draftwire.vocab import Vocabulary, tokens_from_llama, vocabulary_from_llama
 from edge_client.llama_runtime import Llama
+from edge_client.planner import DraftTokens
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class LlamaDrafter(VocabOnly):
         prompt_length: int = 0,
         matcher: Matcher | None = None,
         most: int = 0,
-    ) -> list[int]:
+    ) -> DraftTokens:
         """Drafts up to `gamma` tokens after `sequence` (the committed tokens, then any the edge assumes
         will be; the prompt its `prompt_length` first), choosing each with the verifier's rules (the
         session's logit bias and penalties over the tokens before it, the constraint's mask when
@@ -111,7 +112,7 @@ class LlamaDrafter(VocabOnly):
         Where the constraint allows one token alone (a JSON key, a brace, a quote: llguidance's
         fast-forward tokens), the target takes it too: it is appended with no draft step and counts
         nothing of γ, up to `most` tokens in all (0: `gamma`), and llama.cpp runs a run of them at once
-        with the next token's step."""
+        with the next token's step. The result names them (DraftTokens.forced)."""
         if not sequence:
             raise ValueError("cannot draft from an empty sequence")
         self._sync(sequence)
@@ -119,10 +120,12 @@ class LlamaDrafter(VocabOnly):
         # A sequence the draft's matcher refuses (it cannot, where both sides mask alike): draft unmasked.
         masked = matcher is not None and matcher.follow(generated) == len(generated)
         draft: list[int] = []
+        forced: list[int] = []  # indexes of draft the constraint forced
         pending: list[int] = []  # drafted, not yet run through the draft model
         chosen, most = 0, max(most, gamma)
         while len(draft) < most:
             new = matcher.forced()[: most - len(draft)] if masked else []
+            forced += range(len(draft), len(draft) + len(new))
             if not new:
                 if chosen == gamma:
                     break
@@ -137,12 +140,12 @@ class LlamaDrafter(VocabOnly):
                 chosen += 1
             stop = next((i for i, t in enumerate(new) if t in stop_token_ids), None)
             if stop is not None:
-                return draft + new[: stop + 1]
+                return DraftTokens(draft + new[: stop + 1], forced)
             draft += new
             pending += new
             if masked and matcher.follow([*generated, *draft]) < len(generated) + len(draft):
                 break
-        return draft
+        return DraftTokens(draft, forced)
 
     def constraint_matcher(self, constraint: Constraint, eos_token_ids: Sequence[int]) -> Matcher | None:
         """A matcher of `constraint` over the draft's own vocabulary, ending at the target's

@@ -85,8 +85,9 @@ class GenerationStats:
     # Drafts begun with no live proposal in flight: the verifier has nothing of this session's to
     # verify meanwhile. Every draft unpipelined; pipelined, the first and each after a miss.
     restarts: int = 0
-    draft_tokens: int = 0  # proposed in verified rounds
+    draft_tokens: int = 0  # proposed by the draft model in verified rounds (forced ones apart)
     accepted_tokens: int = 0  # proposed and accepted
+    forced_tokens: int = 0  # committed as a constraint forced them: sent with no draft step (DraftTokens)
     generated_tokens: int = 0  # committed by verdicts (accepted plus target tokens)
     target_positions: int = 0  # the verifier's figure for this session, prefill included
     reused_positions: int = 0  # prefill positions the verifier took from a kept cache (last open)
@@ -103,11 +104,14 @@ class GenerationStats:
     min_gamma_cap: int = 0
     numerics: str = ""  # the verifier's numerics identity from the first open; resumes ask for it
 
-    def verified(self, verdict: Verdict, draft_tokens: int, accepted: int, committed: int) -> None:
+    def verified(
+        self, verdict: Verdict, draft_tokens: int, accepted: int, committed: int, forced: int = 0
+    ) -> None:
         """A verdict that verified something: its round, tokens and the verifier's figures."""
         self.rounds += 1
         self.draft_tokens += draft_tokens
         self.accepted_tokens += accepted
+        self.forced_tokens += forced
         self.generated_tokens += committed
         self.target_positions = verdict.target_positions
         self.verify_s += verdict.verify_seconds
@@ -144,6 +148,7 @@ class GenerationStats:
             "speculation_reason": self.speculation_reason,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "forced_tokens": self.forced_tokens,
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_round": self.tokens_per_round,
             "wall_s": self.wall_s,
@@ -154,6 +159,23 @@ class GenerationStats:
 
 class BadVerdict(Exception):
     """A verdict that does not answer the proposal it should: a fault of the verifier."""
+
+
+class DraftTokens(list):
+    """A drafter's tokens, and the indexes of those a constraint forced (`forced`): where the grammar
+    allows one token alone (a JSON key, a brace), the drafter appends it with no draft step. The draft
+    model did not propose them, so the acceptance and the tuner count only the others, as the field
+    counts draft tokens; the generation's stats count the forced ones apart. A drafter that knows no
+    constraint returns a plain list: none forced."""
+
+    def __init__(self, tokens: Sequence[int] = (), forced: Sequence[int] = ()):
+        super().__init__(tokens)
+        self.forced = frozenset(i for i in forced if 0 <= i < len(self))
+
+
+def forced_of(tokens: Sequence[int]) -> frozenset[int]:
+    """The indexes of `tokens` a constraint forced (DraftTokens), none for a plain list."""
+    return getattr(tokens, "forced", frozenset())
 
 
 @dataclass
@@ -169,6 +191,11 @@ class InFlight:
     opening: bool = False  # sent before the stream's first verdict: it may wait for the open's prefill
     sent_s: float | None = None  # when it was sent (the transport's clock), if the transport says
     ahead: bool = False  # the drafter drafted while it was in flight: verified beside drafting
+    forced: frozenset[int] = frozenset()  # indexes of draft that a constraint forced (DraftTokens)
+
+    def proposed(self, n: int) -> int:
+        """How many of the first `n` draft tokens the draft model proposed (not forced)."""
+        return n - sum(i < n for i in self.forced)
 
     def builds_on(self, committed: Sequence[int]) -> bool:
         """Whether it is still live: what it assumes agrees with the `committed` sequence."""
@@ -292,8 +319,9 @@ class Planner:
             self._first_draft = True
             self.drafted = InFlight(list(job.base), [], [], self._final(job.base, []))
             return
+        forced = forced_of(tokens)
         if seconds is not None and not self._first_draft:
-            self.tuner.observe_draft(len(tokens), seconds, ahead=job.assumes)
+            self.tuner.observe_draft(len(tokens) - len(forced), seconds, ahead=job.assumes)
         self._first_draft = False
         self.stats.drafts += 1
         assumed, draft = (tokens[:1], tokens[1:]) if job.assumes else ([], tokens)
@@ -302,6 +330,7 @@ class Planner:
             return
         prefix = [*job.base, *assumed]
         self.drafted = InFlight(prefix, assumed, draft, self._final(prefix, draft))
+        self.drafted.forced = frozenset(i - len(assumed) for i in forced if i >= len(assumed))
 
     def next_proposal(self, now: float | None = None) -> Proposal | None:
         """The drafted proposal, numbered and counted in flight, if it still builds on the committed
@@ -338,7 +367,13 @@ class Planner:
             return []
         new = [*sent.draft[: verdict.accepted], *verdict.committed_token_ids]
         check_logprobs(verdict, len(new), self.request.top_logprobs, self.vocab_size)
-        self.tuner.observe_verdict(len(sent.draft), verdict.accepted, cut=verdict.finish is not None)
+        # The draft model's tokens alone: a round's forced tokens are neither proposed nor judged by it.
+        # Only a finish refuses a forced token (the target's mask allows nothing else), so the position
+        # after the accepted ones is not judged there either.
+        proposed, accepted = sent.proposed(len(sent.draft)), sent.proposed(verdict.accepted)
+        cut = verdict.finish is not None or verdict.accepted in sent.forced
+        if proposed or not sent.draft:  # a round of forced tokens alone teaches the tuner nothing
+            self.tuner.observe_verdict(proposed, accepted, cut=cut)
         beside = self._beside(sent, verdict.verify_seconds, arrived)
         self.tuner.observe_verify(len(sent.draft), verdict.verify_seconds, beside)
         self.stats.step_s = self.tuner.step_s()
@@ -354,9 +389,9 @@ class Planner:
         bonus = verdict.target_token_id
         if verdict.accepted == len(sent.draft) and bonus is not None and after and after.assumed:
             if after.prefix[:-1] == [*sent.prefix, *sent.draft]:  # drafted on top of `sent`: it guessed
-                self.tuner.observe_guess(len(sent.draft), after.assumed[-1] == bonus)
+                self.tuner.observe_guess(proposed, after.assumed[-1] == bonus)
         self.committed += new
-        self.stats.verified(verdict, len(sent.draft), verdict.accepted, len(new))
+        self.stats.verified(verdict, proposed, accepted, len(new), forced=verdict.accepted - accepted)
         self.stats.plain_steps += not sent.draft
         self.finished = verdict.finish is not None
         return new

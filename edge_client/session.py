@@ -357,7 +357,7 @@ class EdgeSession:
                 if bad := bad_thin_verdict(verdict, self._info.target.vocabulary.size, request.top_logprobs):
                     raise VerifierError(grpc.StatusCode.INTERNAL, f"bad verdict from the verifier: {bad}")
                 new = list(verdict.thin_committed)
-                self._count_thin(verdict, len(new), stats, leg)
+                self._count_thin(verdict, len(new), stats, leg, request.drafting)
                 finish = verdict.finish
                 if leg is not None:
                     leg.finish = finish
@@ -380,10 +380,15 @@ class EdgeSession:
             inbox.close()
             call.cancel()
 
-    def _count_thin(self, verdict: Verdict, committed: int, stats: GenerationStats, leg: Leg | None) -> None:
+    def _count_thin(
+        self, verdict: Verdict, committed: int, stats: GenerationStats, leg: Leg | None, drafting: Drafting
+    ) -> None:
         """A thin verdict's figures; a leg's tokens count as the verifier's, and its forward feeds the
-        tuner."""
-        if leg is None:
+        tuner. A verifier that drafts nothing (drafting none) sends as its draft only the tokens a
+        constraint forced: they count as forced, not drafted."""
+        if leg is None and drafting is Drafting.NONE:
+            stats.verified(verdict, 0, 0, committed, forced=verdict.accepted)
+        elif leg is None:
             stats.verified(verdict, len(verdict.server_draft_token_ids), verdict.accepted, committed)
         else:
             stats.verified(verdict, 0, 0, committed)

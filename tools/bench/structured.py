@@ -1,12 +1,15 @@
 """What a JSON schema costs under speculation, side by side in one run (issue 57).
 
-Arms, each prompt through all of them in turn, the first arm rotating:
+The prompts are held-out chat questions, each asking for the schema's JSON in words as a user of JSON
+mode does (--no-ask-json: the questions alone, the schema then forcing JSON the model did not mean to
+write). Arms, each prompt through all of them in turn, the first arm rotating:
   free          the request as it is, speculative (γ, pipeline)
   schema        the same under a JSON schema: the verifier masks every position, the draft proposes masked
   free-alone    the target alone (a thin session of no drafting), unconstrained
   schema-alone  the target alone under the schema
 
-Reports tokens/s, acceptance and tokens per round, the speedup of each speculative arm over the target
+Reports tokens/s, acceptance (of the draft model's tokens: those the schema forced, sent with no draft
+step, are counted apart), tokens per round, the speedup of each speculative arm over the target
 alone with the same constraint, and what the verifier's masks cost a round: each schema reply replayed
 through a verifier-side matcher (transformers' tokenizer), the masks of every round of γ draft tokens
 timed, against the verifier's own forward time per round.
@@ -27,7 +30,8 @@ from draftwire import wire
 from draftwire.contract import Constraint, ConstraintKind, Drafting, SamplingParams
 from draftwire.grammar import compile_constraint
 from draftwire_cli.models import smollm2
-from draftwire_cli.models.prompts import chat_prompts
+from draftwire_cli.models.prompts import chat_turns
+from draftwire_cli.models.smollm2_card import CARD_PROMPTS
 from edge_client.drafter import DrafterConfig, LlamaDrafter
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.rig.serverproc import ServerProcess
@@ -43,6 +47,12 @@ SCHEMA = {
     "additionalProperties": False,
 }
 CONSTRAINT = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
+# What a user of JSON mode writes beside the schema (OpenAI's JSON mode requires the conversation to ask
+# for JSON): appended to each question unless --no-ask-json, in every arm, so that the arms share prompts.
+ASK_JSON = (
+    ' Answer with a JSON object only: a "title", up to four short "points", and your "confidence" '
+    "from 0 to 10."
+)
 ARMS = ("free", "schema", "free-alone", "schema-alone")
 
 
@@ -60,12 +70,15 @@ def request_for(arm: str, prompt, args) -> GenerationRequest:
 
 async def run_all(args, log=print) -> dict:
     target = args.target or args.pair / smollm2.TARGET
-    prompts = chat_prompts(target, args.prompts)
+    prompts = chat_turns(
+        target, [q + (ASK_JSON if args.ask_json else "") for q in CARD_PROMPTS[: args.prompts]]
+    )
     os.sched_setaffinity(0, args.edge_cpus)
     drafter = LlamaDrafter(DrafterConfig(args.draft or smollm2.draft_path(args.pair), n_threads=1))
     flags = ["--max-gamma", "8", "--threads", str(len(args.verifier_cpus)), "--prefix-cache-mb", "0"]
     flags += ["--dtype", args.dtype]
-    totals = {arm: dict(tokens=0, wall_s=0.0, rounds=0, drafted=0, accepted=0, verify_s=0.0) for arm in ARMS}
+    zero = dict(tokens=0, wall_s=0.0, rounds=0, drafted=0, accepted=0, forced=0, verify_s=0.0)
+    totals = {arm: dict(zero) for arm in ARMS}
     outputs: dict[str, list] = {arm: [] for arm in ARMS}
     with ServerProcess(target, *flags, cpus=args.verifier_cpus) as server:
         async with wire.insecure_channel(server.address) as channel:
@@ -82,6 +95,7 @@ async def run_all(args, log=print) -> dict:
                     t["rounds"] += stats.rounds
                     t["drafted"] += stats.draft_tokens
                     t["accepted"] += stats.accepted_tokens
+                    t["forced"] += stats.forced_tokens
                     t["verify_s"] += stats.verify_s
                     outputs[arm].append(ids)
     mask_ms = _mask_ms_per_round(target, outputs["schema"], args.gamma)
@@ -96,6 +110,7 @@ async def run_all(args, log=print) -> dict:
                 "tokens_per_s": rate,
                 "vs_alone": rate / (alone["tokens"] / alone["wall_s"]),
                 "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else None,
+                "forced_tokens": t["forced"],
                 "tokens_per_round": t["tokens"] / t["rounds"] if t["rounds"] else None,
                 "verify_ms_per_round": 1000 * t["verify_s"] / t["rounds"] if t["rounds"] else None,
             }
@@ -147,22 +162,24 @@ def _parses(drafter, ids: list[int]) -> bool:
 
 def markdown(report: dict) -> str:
     c = report["config"]
+    asked = " asking for the JSON" if c.get("ask_json") else ""
     lines = [
-        f"{c['prompts']} chat prompts, up to {c['new_tokens']} tokens each, greedy, γ {c['gamma']}, "
+        f"{c['prompts']} chat prompts{asked}, up to {c['new_tokens']} tokens each, greedy, γ {c['gamma']}, "
         f"pipeline {c['pipeline']}; verifier on cores {c['verifier_cpus']}, edge and draft on "
         f"{c['edge_cpus']}; target {c['target'] or 'SmolLM2 (the --pair)'}. The schema: an object of a "
         "title, up to 4 points and a confidence (tools/bench/structured.py).",
         "",
-        "| arm | tokens | tokens/s | vs the target alone, same constraint | acceptance | tokens/round "
-        "| verify ms/round |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | tokens | tokens/s | vs the target alone, same constraint | acceptance | forced tokens "
+        "| tokens/round | verify ms/round |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         per = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
         ver = f"{r['verify_ms_per_round']:.1f}" if r["verify_ms_per_round"] else "-"
         rate = f"{r['tokens_per_s']:.1f} | {r['vs_alone']:.2f}"
-        lines.append(f"| {r['arm']} | {r['tokens']} | {rate} | {acc} | {per} | {ver} |")
+        forced = r["forced_tokens"]
+        lines.append(f"| {r['arm']} | {r['tokens']} | {rate} | {acc} | {forced} | {per} | {ver} |")
     share = report["mask_share_of_round"]
     lines += [
         "",
@@ -185,6 +202,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="the verifier's --dtype")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument(
+        "--ask-json",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each question asks for the schema's JSON (ASK_JSON), in every arm",
+    )
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--pipeline", type=int, default=1)
     ap.add_argument("--edge-cpus", type=lambda s: tuple(map(int, s.split(","))), default=(0,))

@@ -9,7 +9,7 @@ import pytest
 
 from draftwire.contract import ModelInfo
 from edge_client.adaptive import Tuner
-from edge_client.planner import BadVerdict, GenerationRequest, Planner
+from edge_client.planner import BadVerdict, DraftTokens, GenerationRequest, Planner
 from tools.testkit.fakes import FakeVerifier, MistakenDrafter, drive, fake_info, target_continuation
 
 PROMPT = (5, 9, 12)
@@ -168,3 +168,47 @@ def test_a_forward_after_every_drafter_call_ended_ran_beside_none_even_if_drafte
     assert shares == [0.0, 1.0]
     plan, sent = plans[0]
     assert plan._beside(sent, 0.2, 6.0) == 0.0  # no call's record left, and none beside it
+
+
+@pytest.mark.parametrize(
+    "wrong_at, counted",
+    [
+        (3, (3, 1, False, 2)),  # the forced tokens 1 and 2 accepted, then the draft's third token refused
+        (0, (3, 0, False, 0)),  # the draft's first token refused: the forced ones after it go unjudged
+        (None, (3, 3, False, 2)),  # all accepted
+    ],
+)
+def test_tokens_a_constraint_forced_are_counted_apart_from_the_draft_models(wrong_at, counted):
+    """A constraint's forced tokens (DraftTokens.forced) were sent with no draft step: the acceptance and
+    the tuner count the draft model's proposals alone (draft tokens, accepted), the stats the forced
+    tokens committed apart, and the committed tokens are the same."""
+    seen = []
+
+    class Spy(Tuner):
+        def observe_verdict(self, draft_tokens, accepted, cut):
+            seen.append((draft_tokens, accepted, cut))
+            super().observe_verdict(draft_tokens, accepted, cut)
+
+    request = GenerationRequest(PROMPT, max_new_tokens=10)
+    plan = Planner(request, INFO, tuner=Spy())
+    tokens = target_continuation(PROMPT, 5)
+    if wrong_at is not None:
+        tokens[wrong_at] += 1
+    plan.add_draft(plan.next_draft(), DraftTokens(tokens, forced=[1, 2]))
+    verdict = FakeVerifier(request.spec()).answer(plan.next_proposal())
+    new = plan.apply(verdict)
+    assert new == target_continuation(PROMPT, len(new))
+    assert (*seen[0], plan.stats.forced_tokens) == counted
+    assert (plan.stats.draft_tokens, plan.stats.accepted_tokens) == counted[:2]
+    assert plan.stats.generated_tokens == len(new)
+
+
+def test_a_round_of_forced_tokens_alone_is_no_plain_step_to_the_tuner():
+    """A draft the constraint forced whole proposed nothing: the tuner neither judges the draft model by
+    it nor counts it as a plain step (speculation off)."""
+    request = GenerationRequest(PROMPT, max_new_tokens=10)
+    plan = Planner(request, INFO)
+    plan.add_draft(plan.next_draft(), DraftTokens(target_continuation(PROMPT, 3), forced=[0, 1, 2]))
+    plan.apply(FakeVerifier(request.spec()).answer(plan.next_proposal()))
+    assert (plan.tuner.plain_steps, plan.stats.plain_steps) == (0, 0)
+    assert (plan.stats.draft_tokens, plan.stats.forced_tokens, plan.stats.generated_tokens) == (0, 3, 4)
