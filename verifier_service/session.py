@@ -135,6 +135,7 @@ class VerifierSession:
         self.matcher = self._constraint_matcher(spec)  # structured output: None when unconstrained
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.read_length = len(self.committed)  # a thin session: what its edge says it has read
+        self._forced = False  # the round own_proposal drafted holds a constraint's forced tokens
         self.last_round = 0
         self.finish: Finish | None = None
         self.target_positions = 0  # positions the target computed for this session
@@ -278,10 +279,16 @@ class VerifierSession:
         return self.spec.thin and self.finish is None and ahead < self.limits.read_ahead
 
     def own_proposal(self) -> Proposal:
-        """A thin session's next round: the verifier's own draft (prompt lookup, or none) from the
-        committed tokens."""
-        draft = ()
-        if self.spec.drafting is Drafting.NGRAM:
+        """A thin session's next round: the verifier's own draft from the committed tokens. Under a
+        constraint, the tokens it forces from here (a JSON key, a brace, quotes: llguidance's fast-forward
+        tokens), which the masked target chooses whatever its logits or the seed, so that one forward
+        commits the run and the next token instead of one forward each (the bits of each position are
+        the same: the invariant kernels); else prompt lookup's draft, or none."""
+        draft, self._forced = (), False
+        if self.matcher is not None:
+            draft = tuple(self.matcher.forced()[: self.gamma_cap])
+            self._forced = bool(draft)
+        if not draft and self.spec.drafting is Drafting.NGRAM:
             draft = tuple(ngram_draft(self.committed, min(NGRAM_GAMMA, self.gamma_cap)))
         return Proposal(self.last_round + 1, len(self.committed), draft)
 
@@ -351,7 +358,8 @@ class VerifierSession:
         stats.round_positions += positions
         stats.generated_tokens += len(self.committed) - length
         stats.plain_steps += not begun.draft and not self.spec.thin
-        if begun.draft:
+        forced, self._forced = self._forced, False
+        if begun.draft and not forced:  # drafts, not the tokens a constraint forced (own_proposal)
             stats.drafts += 1
             stats.draft_tokens += len(begun.draft)
             stats.accepted_tokens += accepted

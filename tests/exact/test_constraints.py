@@ -143,7 +143,8 @@ def test_the_draft_proposes_under_the_mask(server, drafters, prompts, tokenizer)
 def test_forced_tokens_cost_no_draft_step_and_no_gamma(drafters, prompts, tokenizer):
     """Where the schema allows one token alone (the opening brace, a key, its quotes), the draft appends
     it without a draft step and without spending γ, up to the proposal's cap (`most`). The tokens it
-    gives are what the target under the same mask would write (the tests above)."""
+    gives are what the target under the same mask would write (the tests above), and the draft names
+    them, for the acceptance counts the draft model's tokens alone."""
     drafter, prompt = drafters["q8_0"], list(prompts[0])
     matcher = drafter.constraint_matcher(CONSTRAINTS["json_schema"], [tokenizer.eos_token_id])
     forced = len(matcher.forced())
@@ -152,6 +153,7 @@ def test_forced_tokens_cost_no_draft_step_and_no_gamma(drafters, prompts, tokeni
     before = drafter.evaluated_positions
     draft = drafter.propose(prompt, 1, GREEDY, (), len(prompt), matcher=matcher, most=8)
     assert len(draft) == forced + 1 + len(matcher.forced()[: 8 - forced - 1])  # forced, one choice, forced
+    assert draft.forced == set(range(len(draft))) - {forced}  # named, so that no stat counts them drafted
     # One step for the prompt's last token, one for the forced run: none for each forced token.
     assert drafter.evaluated_positions - before == 1 + forced
     assert len(drafter.propose(prompt, 1, GREEDY, (), len(prompt), matcher=matcher, most=2)) == 2
@@ -200,6 +202,14 @@ def test_batched_and_thin_sessions_equal_reference(server, drafters, engine, pro
     results = asyncio.run(run())
     for case, want, (ids, _) in zip(cases, expected, results, strict=True):
         assert ids == want, case[1:]
+    # A thin session drafting nothing commits each run its constraint forces in one forward
+    # (own_proposal): fewer rounds than tokens, the forced tokens counted as such and never as drafts.
+    # The schema forces its keys at least, and the grammar its "def ".
+    forcing = (CONSTRAINTS["json_schema"], CONSTRAINTS["grammar"])
+    for (_, constraint, _, drafting), (ids, stats) in zip(cases, results, strict=True):
+        if drafting is Drafting.NONE and constraint is not None:
+            assert stats.draft_tokens == 0 and stats.rounds == len(ids) - stats.forced_tokens, constraint
+            assert stats.forced_tokens > 0 or constraint not in forcing, constraint
 
 
 def test_logprobs_are_those_of_the_masked_distribution(server, drafters, engine, prompts):

@@ -16,6 +16,7 @@ from draftwire.contract import (
     MAX_CONSTRAINT_BYTES,
     Constraint,
     ConstraintKind,
+    Drafting,
     Proposal,
     SamplingParams,
     SessionSpec,
@@ -230,6 +231,43 @@ def test_a_session_masks_every_position_whatever_the_draft(engine, tokenizer, sa
         lambda g: [*alone[len(g) : len(g) + 2], ord("z"), *alone[len(g) + 3 : len(g) + 5]],
     ):
         assert _decode(engine, spec, drafts) == alone
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.5, seed=9)])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_thin_session_commits_a_forced_run_in_one_forward(engine, sampling, logprobs):
+    """A thin session (the verifier decoding alone) drafts the tokens its constraint forces: one forward
+    commits the run and the token after it, with the tokens and logprobs of one token per forward
+    (`decode_alone`), and counts no draft."""
+    spec = SessionSpec(
+        (5, 6, 7), sampling, 40, constraint=schema(), drafting=Drafting.NONE, top_logprobs=logprobs
+    )
+    alone_logprobs: list = []
+    alone = asyncio.run(_alone(engine, spec, alone_logprobs))
+
+    async def thin():
+        batcher = Batcher(engine)
+        session = await VerifierSession.open(batcher, spec)
+        verdicts = []
+        while session.finish is None:
+            verdicts.append(await session.play(session.own_proposal()))
+        batcher.close()
+        return session, verdicts
+
+    session, verdicts = asyncio.run(thin())
+    assert session.generated == alone
+    assert verdicts[0].server_draft_token_ids == tuple(ids('{"a": '))  # the opening run, in one round
+    assert len(verdicts) < len(alone)
+    assert [lp for v in verdicts for lp in v.logprobs] == alone_logprobs
+    assert (session.stats.drafts, session.stats.draft_tokens) == (0, 0)
+
+
+async def _alone(engine, spec, logprobs):
+    batcher = Batcher(engine)
+    try:
+        return await decode_alone(batcher, spec, logprobs)
+    finally:
+        batcher.close()
 
 
 def test_the_mask_decides_against_the_logits(engine):
