@@ -417,7 +417,13 @@ def test_batched_attention_gives_each_query_its_bits_alone(
         torch.cat(qs, 2), ks, vs, [n for _, n in sessions], None, window, softcap
     )
     assert torch.equal(batched, alone)
-    assert invariant.batched_attention_holds(dtype)  # what a load off a CPU asks of its machine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loads_question_of_the_batched_attention_says_yes_where_it_holds(dtype):
+    """What a load off a CPU asks of its machine (batched_attention_holds) answers yes here, where the
+    test above shows the batched path gives each query its bits alone."""
+    assert invariant.batched_attention_holds(dtype)
 
 
 def test_a_batch_whose_rows_differ_is_seen_to_differ(monkeypatch):
