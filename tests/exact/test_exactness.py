@@ -186,6 +186,7 @@ def test_cli_generate_and_reference_agree(server, test_pair, prompts):
             "sent_ahead",
             "draft_tokens",
             "accepted_tokens",
+            "forced_tokens",
             "acceptance_rate",
             "tokens_per_round",
             "wall_s",
