@@ -329,8 +329,8 @@ class Planner:
             self._blocked = len(job.base)
             return
         prefix = [*job.base, *assumed]
-        self.drafted = InFlight(prefix, assumed, draft, self._final(prefix, draft))
-        self.drafted.forced = frozenset(i - len(assumed) for i in forced if i >= len(assumed))
+        forced = frozenset(i - len(assumed) for i in forced if i >= len(assumed))  # draft's indexes
+        self.drafted = InFlight(prefix, assumed, draft, self._final(prefix, draft), forced=forced)
 
     def next_proposal(self, now: float | None = None) -> Proposal | None:
         """The drafted proposal, numbered and counted in flight, if it still builds on the committed

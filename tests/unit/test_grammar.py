@@ -196,14 +196,15 @@ def engine(tokenizer):
     return engine
 
 
-def _decode(engine, spec: SessionSpec, drafts=None) -> list[int]:
-    """The session to its end: the target alone (drafts None), or rounds of the given draft tokens."""
+def _decode(engine, spec: SessionSpec, drafts=None, logprobs=None) -> list[int]:
+    """The session to its end: the target alone (drafts None; its logprobs into `logprobs` when given),
+    or rounds of the given draft tokens."""
 
     async def run():
         batcher = Batcher(engine)
         try:
             if drafts is None:
-                return await decode_alone(batcher, spec)
+                return await decode_alone(batcher, spec, logprobs)
             session = await VerifierSession.open(batcher, spec)
             while session.finish is None:
                 draft = tuple(drafts(session.generated))
@@ -243,7 +244,7 @@ def test_a_thin_session_commits_a_forced_run_in_one_forward(engine, sampling, lo
         (5, 6, 7), sampling, 40, constraint=schema(), drafting=Drafting.NONE, top_logprobs=logprobs
     )
     alone_logprobs: list = []
-    alone = asyncio.run(_alone(engine, spec, alone_logprobs))
+    alone = _decode(engine, spec, logprobs=alone_logprobs)
 
     async def thin():
         batcher = Batcher(engine)
@@ -260,14 +261,6 @@ def test_a_thin_session_commits_a_forced_run_in_one_forward(engine, sampling, lo
     assert len(verdicts) < len(alone)
     assert [lp for v in verdicts for lp in v.logprobs] == alone_logprobs
     assert (session.stats.drafts, session.stats.draft_tokens) == (0, 0)
-
-
-async def _alone(engine, spec, logprobs):
-    batcher = Batcher(engine)
-    try:
-        return await decode_alone(batcher, spec, logprobs)
-    finally:
-        batcher.close()
 
 
 def test_the_mask_decides_against_the_logits(engine):
