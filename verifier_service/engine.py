@@ -27,7 +27,12 @@ from draftwire.vocab import vocabulary_from_hf
 from verifier_service import cuda, families, mapped
 from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
-from verifier_service.invariant import NotInvariant, batched_attention_holds, make_invariant
+from verifier_service.invariant import (
+    NotInvariant,
+    batched_attention_holds,
+    fused_attention_holds,
+    make_invariant,
+)
 from verifier_service.kv import ROWS_ATTENTION, GrowingLayer, PrefixCache, RowsCache, SessionCache
 from verifier_service.numerics import Hardware, NoExactPath
 from verifier_service.settings import PrefixCacheConfig
@@ -70,9 +75,10 @@ class TargetEngine:
         self.padding = make_invariant(model, self.kernels) if invariant else None
         # Off a CPU, a layer's attention runs all its sessions in one set of calls where that gives each
         # query the bits it gets alone here (checked); on a CPU, one session at a time is faster (views of
-        # the caches, no copies), and the same bits.
+        # the caches, no copies), and the same bits, through torch's fused kernel where that is proven.
         on_cpu = torch.device(device).type == "cpu"
         self.batched_attention = invariant and not on_cpu and batched_attention_holds(model.dtype, device)
+        self.fused_attention = invariant and on_cpu and fused_attention_holds(model.dtype, device)
         self.invariant = invariant
         self.model = model
         self.info = info
@@ -354,7 +360,11 @@ class TargetEngine:
                 input_ids=ids[None].to(self.device),
                 position_ids=positions[None].to(self.device),
                 past_key_values=RowsCache(
-                    [c.layers for _, c in live], widths, self.invariant, self.batched_attention
+                    [c.layers for _, c in live],
+                    widths,
+                    self.invariant,
+                    self.batched_attention,
+                    self.fused_attention,
                 ),
                 use_cache=True,
                 logits_to_keep=keep,

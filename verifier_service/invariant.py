@@ -52,7 +52,13 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from verifier_service import mapped
-from verifier_service.attention import KEY_BLOCK, QUERY_CHUNK, batched_block_attention, block_attention
+from verifier_service.attention import (
+    KEY_BLOCK,
+    QUERY_CHUNK,
+    batched_block_attention,
+    block_attention,
+    fused_attention,
+)
 
 BACKENDS = ("onednn", "portable")  # what --kernels names besides auto (verifier_service/numerics.py)
 
@@ -392,11 +398,17 @@ def _packed_rows(rows: torch.Tensor, packed: torch.Tensor, min_rows: int | None,
     return packed_linear(rows, packed, None, min_rows, most)
 
 
-def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> None:
-    """Raises NotInvariant unless `block_attention` gives each query the same bits alone (a decode), as
-    the last of a γ + 1 call (a round), and inside a whole prefill, at short and long context (past
-    1,024 keys, across several key blocks and query chunks), with grouped-query heads, and with and
-    without a sliding window. About a second on CPU."""
+def check_attention(
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    attend: Callable[..., torch.Tensor] = block_attention,
+) -> None:
+    """Raises NotInvariant unless `attend` (block_attention, or fused_attention) gives each query the same
+    bits alone (a decode), as the last of a γ + 1 call (a round), and inside a whole prefill, at short
+    and long context (past 1,024 keys, across several key blocks and query chunks), with grouped-query
+    heads, and with and without a sliding window; and the prefill the same bits at another thread count
+    (1, or 2 where this process runs 1). About a second on CPU."""
     generator = torch.Generator().manual_seed(seed)
     cases = (  # heads, kv heads, head dimension, window, positions held
         (6, 2, 64, None, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),  # 1,317
@@ -409,22 +421,33 @@ def check_attention(dtype: torch.dtype, device: torch.device | str = "cpu", seed
             torch.randn(1, h, held, dim, generator=generator).to(device, dtype)
             for h in (heads, kv_heads, kv_heads)
         )
-        whole = block_attention(q, k, v, None, window)
+        whole = attend(q, k, v, None, window)
+        with _threads(1 if torch.get_num_threads() > 1 else 2):
+            if not torch.equal(attend(q, k, v, None, window), whole):
+                raise NotInvariant(f"{dtype} attention gives other bits at another thread count here")
         for p in sorted({0, 1, 4, KEY_BLOCK - 1, KEY_BLOCK, QUERY_CHUNK + 3, 1024, 1100, held - 1}):
             if p >= held:
                 continue
             seen = slice(0, p + 1)
             # Keys and values of exactly the positions seen (copies), as a short cache holds them.
-            alone = block_attention(
-                q[:, :, p : p + 1], k[:, :, seen].clone(), v[:, :, seen].clone(), None, window
-            )
+            alone = attend(q[:, :, p : p + 1], k[:, :, seen].clone(), v[:, :, seen].clone(), None, window)
             start = max(0, p - 4)
-            round_ = block_attention(q[:, :, start : p + 1], k[:, :, seen], v[:, :, seen], None, window)
+            round_ = attend(q[:, :, start : p + 1], k[:, :, seen], v[:, :, seen], None, window)
             if not (torch.equal(alone[0, 0], whole[0, p]) and torch.equal(alone[0, 0], round_[0, -1])):
                 raise NotInvariant(
                     f"{dtype} attention at position {p} differs alone, in a round and in a prefill "
                     "on this machine"
                 )
+
+
+def fused_attention_holds(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether `fused_attention` (torch's fused kernel) passes `check_attention` here: asked of the
+    machine at load, since the kernel's blocking is torch's choice, not a promise."""
+    try:
+        check_attention(dtype, device, attend=fused_attention)
+    except NotInvariant:
+        return False
+    return True
 
 
 def batched_attention_holds(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> bool:

@@ -16,12 +16,16 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from verifier_service.attention import (
+    FUSED_BLOCK,
     KEY_BLOCK,
     batched_block_attention,
     block_attention,
+    fused_attention,
     softcapped_attention,
 )
 from verifier_service.settings import PrefixCacheConfig
+
+ROOM_BLOCK = max(KEY_BLOCK, FUSED_BLOCK)  # a cache's capacity in whole blocks of either exact attention
 
 
 class GrowingLayer:
@@ -65,7 +69,7 @@ class GrowingLayer:
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         target = max(2 * self.capacity, 64)
         if target > 64:  # whole key blocks: invariant attention reads to the next block's end in place
-            target = -(-target // KEY_BLOCK) * KEY_BLOCK
+            target = -(-target // ROOM_BLOCK) * ROOM_BLOCK
         if self.limit is not None:
             target = min(target, self.limit)
         self._resize(like, max(needed, target))
@@ -89,6 +93,7 @@ class _Rows:
     masks: dict  # the batch's causal masks, built once for all its layers: _causal_mask's arguments -> mask
     exact: bool = False  # invariant mode: attention in fixed key blocks (attention.block_attention)
     batched: bool = False  # and all sessions in one set of calls (attention.batched_block_attention)
+    fused: bool = False  # or through torch's fused kernel, where no softcap (attention.fused_attention)
 
 
 class _RowsLayer:
@@ -98,15 +103,16 @@ class _RowsLayer:
     is_sliding = False
 
     def __init__(
-        self, sessions: list[GrowingLayer], widths: list[int], masks: dict, exact: bool, batched: bool
+        self,
+        sessions: list[GrowingLayer],
+        widths: list[int],
+        masks: dict,
+        exact: bool,
+        batched: bool,
+        fused: bool,
     ):
-        self.sessions, self.widths, self.masks, self.exact, self.batched = (
-            sessions,
-            widths,
-            masks,
-            exact,
-            batched,
-        )
+        self.sessions, self.widths, self.masks = sessions, widths, masks
+        self.exact, self.batched, self.fused = exact, batched, fused
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states  # [1, kv_heads, sum(widths), head_dim]: the rows one after another
@@ -120,9 +126,9 @@ class _RowsLayer:
             )
         ]
         keys, values = ([states[i] for states in held] for i in (0, 1))
-        return (
-            _Rows(keys, self.widths, self.masks, self.exact, self.batched),
-            _Rows(values, self.widths, self.masks, self.exact, self.batched),
+        return tuple(
+            _Rows(states, self.widths, self.masks, self.exact, self.batched, self.fused)
+            for states in (keys, values)
         )
 
 
@@ -130,7 +136,8 @@ class RowsCache(Cache):
     """The past_key_values of a batch: each row reads and grows its own session's cache in place, so no
     session's cache is copied into the batch. Paired with `rows_attention`. `exact`: invariant attention;
     `batched`: all of a layer's sessions in one set of calls (a GPU's way: per session, a layer's calls
-    are launches; on a CPU the copies into one tensor cost more than the calls)."""
+    are launches; on a CPU the copies into one tensor cost more than the calls); `fused`: one session at
+    a time through torch's fused kernel (a CPU's way, where the load proves it)."""
 
     def __init__(
         self,
@@ -138,10 +145,11 @@ class RowsCache(Cache):
         widths: list[int],
         exact: bool = False,
         batched: bool = False,
+        fused: bool = False,
     ):
         masks = {}
         layers = [
-            _RowsLayer(list(layer), widths, masks, exact, exact and batched)
+            _RowsLayer(list(layer), widths, masks, exact, exact and batched, exact and fused)
             for layer in zip(*sessions, strict=True)
         ]
         super().__init__(layers=layers)
@@ -170,6 +178,9 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         return out, None
     outputs = []
     for rows, keys, values in zip(query.split(key.widths, dim=2), key.states, value.states, strict=True):
+        if key.exact and key.fused and softcap is None:
+            outputs.append(fused_attention(rows, keys, values, scaling, window, key.masks))
+            continue
         if key.exact:
             outputs.append(block_attention(rows, keys, values, scaling, window, softcap, key.masks))
             continue

@@ -44,9 +44,15 @@ def together(engine, prompts, widths):
     return engine.forward_many(forwards)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "blocks"])
 @pytest.mark.parametrize("dtype", dtype_params("float32", "bfloat16"))
-def test_invariant_logits_do_not_depend_on_what_shares_the_forward(pair, prompts, dtype):
+def test_invariant_logits_do_not_depend_on_what_shares_the_forward(pair, prompts, dtype, fused):
+    """On either attention of a CPU: torch's fused kernel in whole blocks (where the load proved it, as
+    here) and our own key blocks."""
     engine = TargetEngine.load(pair / smollm2.TARGET, dtype=dtype)
+    if fused and not engine.fused_attention:
+        pytest.skip("the load found torch's fused attention not invariant on this machine")
+    engine.fused_attention = fused
     alone = [one_at_a_time(engine, f"a{i}", p) for i, p in enumerate(prompts)]
     nine = together(engine, prompts[:1], [9])[0]
     assert torch.equal(nine, alone[0])  # a round of gamma + 1 = 9 positions
@@ -70,6 +76,7 @@ def test_a_batch_whose_attention_runs_in_one_set_of_calls_gives_each_row_its_bit
     each position of a ragged batch, prompts prefilled that way too, has the bits it has alone."""
     engine = TargetEngine.load(pair / smollm2.TARGET, dtype=dtype)
     assert not engine.batched_attention  # a CPU's choice
+    engine.fused_attention = False  # the key blocks alone, whose bits the batched calls give
     alone = [one_at_a_time(engine, f"a{i}", p) for i, p in enumerate(prompts)]
     engine.batched_attention = True
     for rows, expected in zip(together(engine, prompts, [5, 1, 9]), alone, strict=True):

@@ -11,7 +11,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 
 from tests.capability import dtype_params
 from verifier_service import invariant
-from verifier_service.attention import batched_block_attention, block_attention
+from verifier_service.attention import batched_block_attention, block_attention, fused_attention
 from verifier_service.invariant import make_invariant, pack_weight, packed_linear
 
 DTYPES = dtype_params(torch.float32, torch.bfloat16)
@@ -132,30 +132,35 @@ def _cache(held: int, capacity: int, kv_heads: int, dtype, g) -> tuple[torch.Ten
     return keys[:, :, :held], values[:, :, :held]
 
 
+# The two invariant attentions: fixed key blocks of our own, and torch's fused kernel in whole blocks.
+ATTENDS = pytest.mark.parametrize("attend", [block_attention, fused_attention], ids=["blocks", "fused"])
+
+
+@ATTENDS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("window", [None, 7])
-def test_attention_rows_equal_one_query_at_a_time(dtype, window, threads):
-    """The query at each position gives the same output among n queries (n = 2..17) as a one-query
-    call over the cache up to it, whatever the buffer's capacity behind the view (grouped-query heads)."""
+def test_attention_rows_equal_one_query_at_a_time(dtype, window, threads, attend):
+    """The query at each position gives the same output among n queries (n = 2..17, and the whole 40,
+    past one call of the fused kernel's rows) as a one-query call over the cache up to it, whatever
+    the buffer's capacity behind the view (grouped-query heads)."""
     g = torch.Generator().manual_seed(2)
     held, heads = 40, 6
     keys, values = _cache(held, 64, 2, dtype, g)
     queries = torch.randn(1, heads, held, 32, generator=g).to(dtype)
-    for n in [2, 5, 9, 17]:
-        out = block_attention(queries[:, :, held - n :], keys, values, 0.17, window)
+    for n in [2, 5, 9, 17, held]:
+        out = attend(queries[:, :, held - n :], keys, values, 0.17, window)
         for j in range(n):
             p = held - n + j
             # The one-position forward's cache: a different buffer (capacity 128) holding the same prefix.
             k1, v1 = (torch.zeros(1, 2, 128, 32, dtype=dtype) for _ in range(2))
             k1[:, :, : p + 1], v1[:, :, : p + 1] = keys[:, :, : p + 1], values[:, :, : p + 1]
-            one = block_attention(
-                queries[:, :, p : p + 1], k1[:, :, : p + 1], v1[:, :, : p + 1], 0.17, window
-            )
+            one = attend(queries[:, :, p : p + 1], k1[:, :, : p + 1], v1[:, :, : p + 1], 0.17, window)
             assert torch.equal(out[0, j], one[0, 0]), (n, j)
 
 
+@ATTENDS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_matches_causal_sdpa(dtype):
+def test_attention_matches_causal_sdpa(dtype, attend):
     g = torch.Generator().manual_seed(3)
     keys, values = _cache(30, 30, 2, dtype, g)
     queries = torch.randn(1, 6, 9, 32, generator=g).to(dtype)
@@ -165,7 +170,7 @@ def test_attention_matches_causal_sdpa(dtype):
     )
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
-        block_attention(queries, keys, values, 0.2), expected.transpose(1, 2), atol=atol, rtol=0
+        attend(queries, keys, values, 0.2), expected.transpose(1, 2), atol=atol, rtol=0
     )
 
 
@@ -275,15 +280,27 @@ def test_portable_linear_rows_equal_alone(dtype, threads):
     torch.testing.assert_close(out, F.linear(x, weight))
 
 
+@ATTENDS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_is_invariant_at_long_context(dtype, threads):
+def test_attention_is_invariant_at_long_context(dtype, threads, attend):
     """The load's attention check: a query alone, as the last of a round and inside a whole prefill of
     1,317 positions (several key blocks and query chunks, past 1,024 keys), with and without a window."""
-    invariant.check_attention(dtype)
+    invariant.check_attention(dtype, attend=attend)
 
 
+def test_the_fused_attention_is_refused_where_its_check_fails(monkeypatch):
+    """A load asks the machine whether torch's fused kernel holds (fused_attention_holds); where a query's
+    bits change with its company, the answer is no, and the engine keeps its own key blocks."""
+    assert invariant.fused_attention_holds(torch.float32)
+    calls = iter(range(1_000_000))
+    real = invariant.fused_attention
+    monkeypatch.setattr(invariant, "fused_attention", lambda *a: real(*a) * (1 + 2**-20 * (next(calls) % 2)))
+    assert not invariant.fused_attention_holds(torch.float32)
+
+
+@ATTENDS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_matches_sdpa_across_blocks_and_windows(dtype):
+def test_attention_matches_sdpa_across_blocks_and_windows(dtype, attend):
     """Past one key block and one query chunk, with a sliding window: the result is attention's."""
     g = torch.Generator().manual_seed(7)
     held, new, window = 700, 300, 200
@@ -295,7 +312,7 @@ def test_attention_matches_sdpa_across_blocks_and_windows(dtype):
         queries.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True
     )
     atol = 1e-5 if dtype == torch.float32 else 2e-2
-    out = block_attention(queries, keys, values, None, window)
+    out = attend(queries, keys, values, None, window)
     torch.testing.assert_close(out.float(), expected.transpose(1, 2), atol=atol, rtol=0)
 
 

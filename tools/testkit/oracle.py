@@ -88,10 +88,12 @@ REFERENCE_CODE = (
     "draftwire/contract.py",
     "draftwire/ngram.py",
     "draftwire/rules.py",
+    "verifier_service/attention.py",
     "verifier_service/batcher.py",
     "verifier_service/engine.py",
     "verifier_service/families.py",
     "verifier_service/invariant.py",
+    "verifier_service/kv.py",
     "verifier_service/numerics.py",
     "verifier_service/session.py",
 )
