@@ -36,8 +36,8 @@ def test_a_limited_layer_never_grows_past_its_limit_unless_an_append_needs_it():
     layer.append(one, one)
     assert layer.capacity == 105 and layer.length == 105  # needed: never refused, never lost
     free = GrowingLayer()
-    for capacity in (90, 256, 512):  # unlimited: doubling, in whole key blocks past the floor
-        free.append(states, states)
+    for capacity in (90, 512, 512, 512, 512, 1024):  # unlimited: doubling, in whole blocks of 512 past
+        free.append(states, states)  # the floor (kv.ROOM_BLOCK: the fused attention's key blocks)
         assert free.capacity == capacity
 
 
