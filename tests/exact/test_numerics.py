@@ -215,7 +215,7 @@ def _skipping_bf16_kernel_check(init):
                 device,
                 numerics,
             )
-            self.passed_over, self.batched_attention = (), False
+            self.passed_over, self.batched_attention, self.fused_attention = (), False, False
             self._layers = model.config.get_text_config().num_hidden_layers
             self._caches = {}
             return
