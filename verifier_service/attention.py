@@ -143,10 +143,8 @@ def _seen(
     """Which keys lo..hi each of `rows` query rows sees: row g * m + j is query j (at position first + j)
     of group head g (itself and earlier, within the window); padding rows see what the last query sees.
     # [rows, hi - lo] bool"""
-    j = (torch.arange(rows, device=device) % m).masked_fill(
-        torch.arange(rows, device=device) >= group * m, m - 1
-    )
-    pos = (first + j)[:, None]
+    row = torch.arange(rows, device=device)
+    pos = (first + (row % m).masked_fill(row >= group * m, m - 1))[:, None]
     key_pos = torch.arange(lo, hi, device=device)[None, :]
     seen = key_pos <= pos
     if window is not None:

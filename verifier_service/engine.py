@@ -91,6 +91,13 @@ class TargetEngine:
         self.prefix_cache = PrefixCache(PrefixCacheConfig())  # keeps nothing until configured
         self.tokenizer = None  # the target's transformers tokenizer, from `load`: structured output's
 
+    @property
+    def attention(self) -> str | None:
+        """The batch's attention (kv.EXACT_ATTENTIONS), from what the load found here; None: plain."""
+        if not self.invariant:
+            return None
+        return "batched" if self.batched_attention else "fused" if self.fused_attention else "blocks"
+
     @classmethod
     def load(
         cls,
@@ -359,13 +366,7 @@ class TargetEngine:
             out = self.model(
                 input_ids=ids[None].to(self.device),
                 position_ids=positions[None].to(self.device),
-                past_key_values=RowsCache(
-                    [c.layers for _, c in live],
-                    widths,
-                    self.invariant,
-                    self.batched_attention,
-                    self.fused_attention,
-                ),
+                past_key_values=RowsCache([c.layers for _, c in live], widths, self.attention),
                 use_cache=True,
                 logits_to_keep=keep,
             )

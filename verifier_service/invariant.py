@@ -372,7 +372,7 @@ def check_linear(
                     f"the {kernels} {dtype} linear layer is not row-invariant on this machine "
                     f"({n} rows, {fan_in} -> {fan_out})"
                 )
-        threads, other = torch.get_num_threads(), 1 if torch.get_num_threads() > 1 else 2
+        threads, other = torch.get_num_threads(), _other_threads()
         with _threads(other):
             elsewhere = linear(x)
         if not torch.equal(elsewhere, whole):
@@ -380,6 +380,11 @@ def check_linear(
                 f"the {kernels} {dtype} linear layer gives other bits at {other} threads than at {threads} "
                 f"({fan_in} -> {fan_out})"
             )
+
+
+def _other_threads() -> int:
+    """The thread count the checks compare against: 1, or 2 where this process runs 1."""
+    return 1 if torch.get_num_threads() > 1 else 2
 
 
 @contextlib.contextmanager
@@ -422,7 +427,7 @@ def check_attention(
             for h in (heads, kv_heads, kv_heads)
         )
         whole = attend(q, k, v, None, window)
-        with _threads(1 if torch.get_num_threads() > 1 else 2):
+        with _threads(_other_threads()):
             if not torch.equal(attend(q, k, v, None, window), whole):
                 raise NotInvariant(f"{dtype} attention gives other bits at another thread count here")
         for p in sorted({0, 1, 4, KEY_BLOCK - 1, KEY_BLOCK, QUERY_CHUNK + 3, 1024, 1100, held - 1}):

@@ -26,6 +26,12 @@ from verifier_service.attention import (
 from verifier_service.settings import PrefixCacheConfig
 
 ROOM_BLOCK = max(KEY_BLOCK, FUSED_BLOCK)  # a cache's capacity in whole blocks of either exact attention
+# The invariant attentions of a batch (verifier_service.attention): fixed key blocks one session at a
+# time (block_attention); all of a layer's sessions in one set of calls (batched_block_attention, a
+# GPU's way: per session, a layer's calls are launches; on a CPU the copies into one tensor cost more
+# than the calls); one session at a time through torch's fused kernel (fused_attention, a CPU's way
+# where the load proves it; the key blocks where scores are capped).
+EXACT_ATTENTIONS = ("blocks", "batched", "fused")
 
 
 class GrowingLayer:
@@ -91,9 +97,7 @@ class _Rows:
     states: list[torch.Tensor]  # per row [1, kv_heads, held positions, head_dim]
     widths: list[int]  # new positions per row
     masks: dict  # the batch's causal masks, built once for all its layers: _causal_mask's arguments -> mask
-    exact: bool = False  # invariant mode: attention in fixed key blocks (attention.block_attention)
-    batched: bool = False  # and all sessions in one set of calls (attention.batched_block_attention)
-    fused: bool = False  # or through torch's fused kernel, where no softcap (attention.fused_attention)
+    attention: str | None = None  # None (plain sdpa) or one of EXACT_ATTENTIONS
 
 
 class _RowsLayer:
@@ -107,12 +111,9 @@ class _RowsLayer:
         sessions: list[GrowingLayer],
         widths: list[int],
         masks: dict,
-        exact: bool,
-        batched: bool,
-        fused: bool,
+        attention: str | None,
     ):
-        self.sessions, self.widths, self.masks = sessions, widths, masks
-        self.exact, self.batched, self.fused = exact, batched, fused
+        self.sessions, self.widths, self.masks, self.attention = sessions, widths, masks, attention
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states  # [1, kv_heads, sum(widths), head_dim]: the rows one after another
@@ -126,32 +127,24 @@ class _RowsLayer:
             )
         ]
         keys, values = ([states[i] for states in held] for i in (0, 1))
-        return tuple(
-            _Rows(states, self.widths, self.masks, self.exact, self.batched, self.fused)
-            for states in (keys, values)
-        )
+        return tuple(_Rows(states, self.widths, self.masks, self.attention) for states in (keys, values))
 
 
 class RowsCache(Cache):
     """The past_key_values of a batch: each row reads and grows its own session's cache in place, so no
-    session's cache is copied into the batch. Paired with `rows_attention`. `exact`: invariant attention;
-    `batched`: all of a layer's sessions in one set of calls (a GPU's way: per session, a layer's calls
-    are launches; on a CPU the copies into one tensor cost more than the calls); `fused`: one session at
-    a time through torch's fused kernel (a CPU's way, where the load proves it)."""
+    session's cache is copied into the batch. Paired with `rows_attention`. `attention`: None for the
+    plain path, else one of EXACT_ATTENTIONS."""
 
     def __init__(
         self,
         sessions: list[list[GrowingLayer]],
         widths: list[int],
-        exact: bool = False,
-        batched: bool = False,
-        fused: bool = False,
+        attention: str | None = None,
     ):
+        if attention is not None and attention not in EXACT_ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r}: choose one of {', '.join(EXACT_ATTENTIONS)}")
         masks = {}
-        layers = [
-            _RowsLayer(list(layer), widths, masks, exact, exact and batched, exact and fused)
-            for layer in zip(*sessions, strict=True)
-        ]
+        layers = [_RowsLayer(list(layer), widths, masks, attention) for layer in zip(*sessions, strict=True)]
         super().__init__(layers=layers)
 
 
@@ -171,17 +164,17 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if not isinstance(key, _Rows):
         raise TypeError("rows_attention reads the sessions' caches: run the model through TargetEngine")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    if key.batched:
+    if key.attention == "batched":
         out = batched_block_attention(
             query, key.states, value.states, key.widths, scaling, window, softcap, key.masks
         )
         return out, None
     outputs = []
     for rows, keys, values in zip(query.split(key.widths, dim=2), key.states, value.states, strict=True):
-        if key.exact and key.fused and softcap is None:
+        if key.attention == "fused" and softcap is None:
             outputs.append(fused_attention(rows, keys, values, scaling, window, key.masks))
             continue
-        if key.exact:
+        if key.attention is not None:
             outputs.append(block_attention(rows, keys, values, scaling, window, softcap, key.masks))
             continue
         shape = (rows.shape[2], keys.shape[-2], window)
