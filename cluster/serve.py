@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from cluster.config import PoolConfig
 from cluster.front import Front
 from cluster.pool import Pool
 from draftwire import ports
-from verifier_service.grpc_kit import wait_for_stop_signal
+from verifier_service.grpc_kit import StopSignal, run_until_signal
 
 ray_log = logging.getLogger("cluster.ray")
 
@@ -44,7 +43,7 @@ def run(config: PoolConfig, ray_config: RayConfig) -> None:
     _ray_errors_to_log()
     ray.init(address=ray_config.address, log_to_driver=False, **extra)
     try:
-        asyncio.run(_serve(config))
+        run_until_signal(lambda stop: _serve(config, stop))
     finally:
         ray.shutdown()
 
@@ -77,7 +76,7 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-async def _serve(config: PoolConfig) -> None:
+async def _serve(config: PoolConfig, stop: StopSignal) -> None:
     pool = Pool(config)
     front = Front(pool, config.front)
     try:
@@ -91,7 +90,7 @@ async def _serve(config: PoolConfig) -> None:
         if front.metrics_port is not None:
             front_metrics = f"http://{config.front.metrics_host}:{front.metrics_port}/metrics"
             print(f"draftwire: metrics on {front_metrics}", flush=True)
-        await wait_for_stop_signal()
+        await stop.wait()
     finally:
         await front.stop(grace=2.0)
         await pool.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 
 import grpc
@@ -55,24 +54,10 @@ def serve(args) -> int:
     engine = load_target(args)
     if engine is None:
         return 2
-    run_interruptible(lambda: _serve_until_signal(engine, config))
+    from verifier_service.grpc_kit import run_until_signal
+
+    run_until_signal(lambda stop: _serve_until_signal(engine, config, stop))
     return 0
-
-
-def run_interruptible(main) -> None:
-    """asyncio.run(main()), but a Ctrl-C while the loop is being built waits until it is whole (else the
-    half-made loop complains when it is collected), then ends the run as any Ctrl-C does: asyncio's
-    Runner cancels main() and raises KeyboardInterrupt."""
-    held = []
-    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
-    try:
-        loop = asyncio.new_event_loop()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    with asyncio.Runner(loop_factory=lambda: loop) as runner:
-        if held:
-            raise KeyboardInterrupt
-        runner.run(main())
 
 
 def check_metrics_flags(args) -> None:
@@ -147,16 +132,17 @@ def numerics_line(engine) -> str:
     return line
 
 
-async def _serve_until_signal(engine, config) -> None:
-    from verifier_service.servicer import start_server, wait_for_stop_signal
+async def _serve_until_signal(engine, config, stop) -> None:
+    from verifier_service.servicer import start_server
 
     say_calibration(engine, config)
     server, port = await start_server(engine, config)
     print(f"draftwire: serving {engine.info.target_id} on {config.host}:{port}", flush=True)
     if server.metrics_port is not None:  # the bound port: --metrics-port 0 picks one
         print(f"draftwire: metrics on http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
-    await wait_for_stop_signal()
-    print(f"draftwire: draining (up to {config.lifetime.drain_timeout_s:g} s)", flush=True)
+    await stop.wait()
+    drain_s = config.lifetime.drain_timeout_s
+    print(f"draftwire: draining (up to {drain_s:g} s; a second Ctrl-C stops at once)", flush=True)
     await server.drain()
 
 

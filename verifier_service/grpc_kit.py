@@ -227,13 +227,66 @@ async def bind_and_start(server: grpc.aio.Server, host: str, port: int, tls: Tls
     return bound
 
 
-async def wait_for_stop_signal() -> None:
-    """Returns when the process gets SIGINT or SIGTERM: how `serve` knows to stop gracefully."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+class StopSignal:
+    """SIGINT and SIGTERM over a server's whole run, taken by its event loop from before the run starts.
+    The loop's wakeup fd sees a signal whichever thread it lands on and however late Python gets round
+    to a handler, so no signal is lost between handlers (asyncio's Runner's, then the loop's):
+    - one the loop takes before the server awaits `wait` cuts the start short: the run is cancelled,
+      and `run_until_signal` ends it as a Ctrl-C (KeyboardInterrupt). (A start that holds the loop, a
+      calibration say, may end before the loop takes a signal that came meanwhile: it then drains.)
+    - once it serves (awaiting `wait`), the first returns from `wait`, and the server drains;
+    - one more during the drain cancels the run: a second Ctrl-C does not wait for the drain."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._task: asyncio.Task | None = None
+        self._serving = False
+        self._stop = asyncio.Event()
+        self.cut_short = False  # a signal cancelled the run
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._signalled)
+
+    def _signalled(self) -> None:
+        if self._serving and not self._stop.is_set():
+            self._stop.set()
+            return
+        self.cut_short = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def run(self, main) -> None:
+        """Awaits main(self) as the run that a signal cancels."""
+        self._task = asyncio.current_task()
+        if self.cut_short:  # a signal came before the run began
+            raise asyncio.CancelledError
+        await main(self)
+
+    async def wait(self) -> None:
+        """Returns at the first SIGINT or SIGTERM from now on: the server's cue to stop gracefully."""
+        self._serving = True
+        await self._stop.wait()
+
+
+def run_until_signal(main) -> None:
+    """asyncio.run(main(stop)), with `stop` a StopSignal that the loop holds from before main starts;
+    raises KeyboardInterrupt where a signal cut the run short. A Ctrl-C while the loop is being built
+    waits until it is whole (else the half-made loop complains when it is collected)."""
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        loop = asyncio.new_event_loop()
+        stop = StopSignal(loop)  # its handlers replace the one above (the loop restores them as it closes)
+    except BaseException:
+        signal.signal(signal.SIGINT, previous)
+        raise
+    try:
+        with asyncio.Runner(loop_factory=lambda: loop) as runner:
+            if held:
+                raise KeyboardInterrupt
+            runner.run(stop.run(main))
+    except asyncio.CancelledError:
+        if stop.cut_short:
+            raise KeyboardInterrupt from None
+        raise
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, serving: bool) -> None:

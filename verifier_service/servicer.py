@@ -35,13 +35,12 @@ from verifier_service.grpc_kit import (
     make_server,
     set_health,
     start_metrics,
-    wait_for_stop_signal,
 )
 from verifier_service.lifecycle import Preempted, Revoked, ShutDown, TimedOut
 from verifier_service.session import InvalidRequest, VerifierLimits, WrongState
 from verifier_service.stream import Flooded, Incoming, Open, Opened, Read, Unknown, Verifier
 
-__all__ = ["ServerConfig", "VerifierLimits", "VerifierServer", "start_server", "wait_for_stop_signal"]
+__all__ = ["ServerConfig", "VerifierLimits", "VerifierServer", "start_server"]
 log = logging.getLogger(__name__)
 
 # How each of the project's endings reaches the edge (Revoked: the status its refusal names; anything

@@ -1,6 +1,7 @@
 """Ctrl-C while `serve` starts (its target loaded, its server starting) ends it quietly: exit 130 and no
 `Exception ignored ... Event loop is closed` from a gRPC server left to be collected after its loop."""
 
+import os
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ def test_ctrl_c_during_start_up_ends_serve_quietly(test_pair, after_s):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack
     )
     try:
         seen = []
@@ -26,7 +28,12 @@ def test_ctrl_c_during_start_up_ends_serve_quietly(test_pair, after_s):
                 break
         time.sleep(after_s)
         serve.send_signal(signal.SIGINT)
-        rest, _ = serve.communicate(timeout=60)
+        try:
+            rest, _ = serve.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # where it hangs, for the failure to say
+            serve.send_signal(signal.SIGABRT)
+            stacks, _ = serve.communicate(timeout=60)
+            pytest.fail(f"serve still runs 60 s after SIGINT:\n{''.join(seen)}{stacks}")
     finally:
         if serve.poll() is None:
             serve.kill()
