@@ -40,6 +40,15 @@ on what the probe saw more than on what turned speculation off. A probe that fin
 still losing doubles the wait for the next (up to `max_probe_after`); one that finds it paying keeps
 it on. Every change of state says why (`reason`).
 
+The model is checked against what speculation makes: the planner tells the tokens each verdict
+committed and the wall time since the verdict before it (`observe_progress`), and the tuner keeps the
+measured rate's ratio to the model's at the setting that made it. Where the measured rate falls short
+of the model's by more than `shortfall_tolerance` (the model's own error against the planner's
+timeline is within 11 %), the fallback judges speculation at the measured level: the model promises
+every speculative setting times that ratio. Costs the model does not see (the draft and the verifier
+fighting over one machine's cores, the edge's own work a round) then turn speculation off where it
+does not pay, instead of a gain below 1 with speculation on.
+
 Decoding on the verifier (`hand_off`): where the verifier can decode the session itself (a thin session,
 which it plays back to back and streams: no round trip a token), speculation off means that instead of
 plain steps. The edge hands the session to the verifier for the tokens left before the next probe (a
@@ -90,6 +99,10 @@ class TunerConfig:
     plain: bool = True  # adaptive γ may turn speculation off (plain steps) where it does not pay
     off_window: int = 16  # speculative rounds since the last move before speculation may turn off
     off_margin: float = 0.1  # plain steps must promise this share more than the best speculative setting
+    shortfall_tolerance: float = 0.15  # the measured rate below the model's by more: judged at it
+    # Weight of a new verdict in that measure: a verdict's tokens swing with acceptance, so it keeps a
+    # longer memory than the costs' (about 50 verdicts), and speaks after `off_window` of them.
+    progress_smoothing: float = 0.02
     probe_after: int = 16  # plain steps before the first probe; doubled after each failed probe
     max_probe_after: int = 256
     hand_off: bool = True  # off hands decoding to the verifier where it can, instead of plain steps
@@ -216,6 +229,10 @@ class Tuner:
         self._probing = False
         self._server = False  # off hands decoding to the verifier (choose's `server`)
         self._server_costs: dict[int, float] = {}  # the verifier's V(n), by positions (observe_server_costs)
+        # Speculation's wall time and the model's for the same tokens, each decayed (observe_progress)
+        self._measured_s = 0.0
+        self._modelled_s = 0.0
+        self._progress_weight = 0.0  # verdicts in that measure, decayed alike
 
     @property
     def state(self) -> str:
@@ -294,6 +311,26 @@ class Tuner:
         gap = self.beside.gap(positions, level)
         self.verify.observe(positions, max(seconds - beside * gap, seconds / 2))
         self.verify_ahead.observe(positions, seconds + (1 - beside) * gap)
+
+    def observe_progress(self, tokens: int, seconds: float) -> None:
+        """Speculation committed `tokens` in `seconds` of wall time (from the verdict before, in one
+        generation): against the model's rate at the current setting, once settled."""
+        if seconds <= 0 or self.choice[0] == 0 or not self.settled():
+            return
+        promised = tokens_per_second(self.estimates(), *self.choice)
+        keep = 1 - self.config.progress_smoothing
+        self._measured_s = keep * self._measured_s + seconds
+        self._modelled_s = keep * self._modelled_s + tokens / promised
+        self._progress_weight = keep * self._progress_weight + 1
+
+    def shortfall(self) -> float:
+        """Measured speculative tokens/s over the model's (1 where within `shortfall_tolerance`, or
+        measured over fewer than `off_window` verdicts): what the fallback scales the model's
+        speculative rates by."""
+        if self._progress_weight < self.config.off_window:
+            return 1.0
+        ratio = self._modelled_s / self._measured_s
+        return ratio if ratio < 1 - self.config.shortfall_tolerance else 1.0
 
     def step_s(self) -> float:
         """V(1), the target's one-step time as measured (0 before any forward)."""
@@ -417,10 +454,11 @@ class Tuner:
         if not self._probing and self.rounds - self.last_move < c.off_window:
             return False
         plain = off_tokens_per_second(est, self._probe_after if self._server else None)
-        if plain <= (1 + c.off_margin) * tokens_per_second(est, *current):
+        measured = self.shortfall()
+        if plain <= (1 + c.off_margin) * measured * tokens_per_second(est, *current):
             return False  # the current setting pays: one evaluation instead of the whole grid's
         best = best_setting(est, gammas, depths)
-        speculative = tokens_per_second(est, *best)
+        speculative = measured * tokens_per_second(est, *best)
         if plain <= (1 + c.off_margin) * speculative:
             return False
         if self._probing:
@@ -434,6 +472,8 @@ class Tuner:
             f"speculation off: {how} {plain:.2f} tokens/s, the best speculative setting "
             f"(γ {best[0]}, depth {best[1]}) {speculative:.2f} at acceptance {est.acceptance[0]:.2f}"
         )
+        if measured < 1:
+            self.reason += f", speculation measured at {measured:.2f} of the model's rate"
         return True
 
     def _probe(self, gammas: range, depth: int) -> tuple[int, int]:

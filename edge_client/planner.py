@@ -253,6 +253,7 @@ class Planner:
         self._blocked = -1  # a base length whose guess was a stop token: wait for verdicts there
         self._first_draft = True  # the stream's first drafter call, which also feeds it the prompt
         self._answered = False  # a verdict came back on this stream
+        self._progress_from: float | None = None  # when the last verdict that committed arrived
         # (start, end) of recent drafter calls on the transport's clock, while it says when (add_draft's
         # `now`): how much of each forward the drafter spent drafting beside it (apply).
         self._drafting: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
@@ -391,6 +392,10 @@ class Planner:
             if after.prefix[:-1] == [*sent.prefix, *sent.draft]:  # drafted on top of `sent`: it guessed
                 self.tuner.observe_guess(proposed, after.assumed[-1] == bonus)
         self.committed += new
+        if arrived is not None:  # speculation's wall rate, verdict to verdict (a stale one's time included)
+            if sent.draft and self._progress_from is not None:
+                self.tuner.observe_progress(len(new), arrived - self._progress_from)
+            self._progress_from = arrived
         self.stats.verified(verdict, proposed, accepted, len(new), forced=verdict.accepted - accepted)
         self.stats.plain_steps += not sent.draft
         self.finished = verdict.finish is not None

@@ -647,6 +647,56 @@ def test_handing_off_to_the_verifier_beats_plain_steps_where_round_trips_are_dea
     assert handing.reason.startswith(("speculation off: decoding on the verifier", "probing"))
 
 
+@pytest.mark.parametrize(
+    "draft, alpha, edge_ms", [("smollm2", 0.7, 20), ("cheap", 0.7, 20), ("smollm2", 0.8, 40)]
+)
+def test_speculation_measured_far_below_the_model_turns_off(draft, alpha, edge_ms):
+    """A cost the model does not see (the edge's own work a verdict, as when the draft and the verifier
+    fight over one machine): speculation makes 0.45-0.8 of the verifier's one-step rate, and a tuner
+    judging by the model alone keeps it on (the gain below 1 with speculation on). Judged by what it
+    measures, the tuner hands decoding to the verifier, says why, and makes more than every fixed
+    setting and near the one-step rate."""
+    costs = dataclasses.replace(timeline_costs(draft, 1.5), edge=edge_ms * MS)
+    one_step = 1 / (costs.verify_fixed + costs.verify_position)
+    blind = Tuner(TunerConfig(shortfall_tolerance=1.0))  # the model's rate alone, as before
+    unmeasured = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=blind, hand_off=True)
+    assert blind.offs == 0 and unmeasured < 0.85 * one_step, (unmeasured, one_step)
+    tuner = Tuner()
+    measured = timeline.tokens_per_second(costs, alpha, None, None, 1000, tuner=tuner, hand_off=True)
+    fixed = max(timeline.tokens_per_second(costs, alpha, g, d, 200) for g in GAMMAS for d in (0, 1, 2))
+    assert tuner.offs >= 1 and tuner.legs >= 1 and tuner.shortfall() < 0.85
+    assert measured > 1.1 * unmeasured and measured > fixed and measured > 0.85 * one_step
+    assert "measured at" in tuner.reason or tuner.reason.startswith("probing"), tuner.reason
+
+
+def _settled_tuner() -> Tuner:
+    """A tuner past its warm-up, speculating at (4, 2) on rounds of a 4-token draft, 3 accepted."""
+    tuner = Tuner(TunerConfig(warmup=1, dwell=1))
+    for _ in range(4):
+        tuner.observe_verdict(4, 3, cut=False)
+        tuner.observe_draft(4, 0.004)
+        tuner.observe_verify(4, 0.02)
+        tuner.observe_round(0.021, 0.02, queued=False)
+    return tuner
+
+
+def test_the_measured_rate_speaks_only_past_the_models_own_error():
+    """Verdicts that come as the model says, or within shortfall_tolerance of it, leave the model's rates
+    as they are; a measure of fewer than off_window verdicts says nothing."""
+    tuner = _settled_tuner()
+    promised = tokens_per_second(tuner.estimates(), *tuner.choice)
+    for _ in range(10):
+        tuner.observe_progress(3, 3 / promised * 2)  # half the model's rate, but only 10 verdicts
+    assert tuner.shortfall() == 1.0
+    for _ in range(30):
+        tuner.observe_progress(3, 3 / promised * 2)
+    assert tuner.shortfall() == pytest.approx(0.5, rel=0.02)
+    tuner = _settled_tuner()
+    for _ in range(40):
+        tuner.observe_progress(3, 3 / promised * 1.1)  # 0.91 of it: the model's own error
+    assert tuner.shortfall() == 1.0
+
+
 def test_a_probe_turns_speculation_back_on_when_the_draft_recovers():
     """Wrong for the first 300 tokens, right after: off, then a probe finds it paying and it stays on."""
     costs = timeline_costs("smollm2", 1.5)
