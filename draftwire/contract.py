@@ -190,6 +190,7 @@ class Verdict:
     verify_seconds: float = 0.0  # the verifying forward pass's duration (0 when stale)
     batch_size: int = 0  # sessions that shared that forward pass (0 when stale)
     server_draft_token_ids: tuple[int, ...] = ()  # a thin session's server drafts this round
+    server_forced_tokens: int = 0  # how many of those (the leading ones) a constraint forced
     gamma_cap: int = 0  # the most draft tokens the verifier asks for now (0: it names none)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token, when the session asks for them
 

@@ -256,6 +256,7 @@ def verdict_to_proto(v: Verdict) -> pb.Verdict:
         verify_seconds=v.verify_seconds,
         batch_size=v.batch_size,
         server_draft_token_ids=v.server_draft_token_ids,
+        server_forced_tokens=v.server_forced_tokens,
         gamma_cap=v.gamma_cap,
         logprobs=[
             pb.TokenLogprob(
@@ -279,6 +280,7 @@ def verdict_from_proto(v: pb.Verdict) -> Verdict:
         verify_seconds=v.verify_seconds,
         batch_size=v.batch_size,
         server_draft_token_ids=tuple(v.server_draft_token_ids),
+        server_forced_tokens=v.server_forced_tokens,
         gamma_cap=v.gamma_cap,
         logprobs=tuple(
             TokenLogprob(t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs, strict=False)))

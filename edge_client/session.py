@@ -384,12 +384,13 @@ class EdgeSession:
         self, verdict: Verdict, committed: int, stats: GenerationStats, leg: Leg | None, drafting: Drafting
     ) -> None:
         """A thin verdict's figures; a leg's tokens count as the verifier's, and its forward feeds the
-        tuner. A verifier that drafts nothing (drafting none) sends as its draft only the tokens a
-        constraint forced: they count as forced, not drafted."""
-        if leg is None and drafting is Drafting.NONE:
-            stats.verified(verdict, 0, 0, committed, forced=verdict.accepted)
-        elif leg is None:
-            stats.verified(verdict, len(verdict.server_draft_token_ids), verdict.accepted, committed)
+        tuner. The leading server drafts a constraint forced (Verdict.server_forced_tokens; all of them
+        where the verifier drafts nothing) count as forced, not drafted."""
+        if leg is None:
+            drafted = len(verdict.server_draft_token_ids)
+            forced = drafted if drafting is Drafting.NONE else min(verdict.server_forced_tokens, drafted)
+            accepted = max(0, verdict.accepted - forced)
+            stats.verified(verdict, drafted - forced, accepted, committed, forced=verdict.accepted - accepted)
         else:
             stats.verified(verdict, 0, 0, committed)
             stats.server_tokens += committed

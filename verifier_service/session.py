@@ -80,6 +80,7 @@ class VerifierStats:
     thin_sessions: int = 0  # sessions the verifier decoded itself
     plain_steps: int = 0  # edge sessions' verified rounds of no draft token (speculation off)
     handoffs: int = 0  # thin sessions an edge handed over while its speculation did not pay
+    forced_tokens: int = 0  # committed in thin sessions' rounds of a constraint's forced tokens
 
     @property
     def target_positions_per_token(self) -> float:
@@ -359,7 +360,9 @@ class VerifierSession:
         stats.generated_tokens += len(self.committed) - length
         stats.plain_steps += not begun.draft and not self.spec.thin
         forced, self._forced = self._forced, False
-        if begun.draft and not forced:  # drafts, not the tokens a constraint forced (own_proposal)
+        if forced:
+            stats.forced_tokens += accepted
+        elif begun.draft:  # drafts, not the tokens a constraint forced (own_proposal)
             stats.drafts += 1
             stats.draft_tokens += len(begun.draft)
             stats.accepted_tokens += accepted
@@ -376,7 +379,10 @@ class VerifierSession:
         if logprobs:
             verdict = dataclasses.replace(verdict, logprobs=logprobs)
         if self.spec.thin:  # the edge learns the server's drafts it accepted from the verdict
-            verdict = dataclasses.replace(verdict, server_draft_token_ids=begun.draft)
+            forced_tokens = len(begun.draft) if forced else 0
+            verdict = dataclasses.replace(
+                verdict, server_draft_token_ids=begun.draft, server_forced_tokens=forced_tokens
+            )
         return verdict
 
     def close(self) -> None:

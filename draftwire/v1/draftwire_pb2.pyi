@@ -210,7 +210,7 @@ class SessionOpened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., reused_positions: _Optional[int] = ..., numerics: _Optional[str] = ..., read_ahead: _Optional[int] = ..., forward_seconds: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap", "logprobs")
+    __slots__ = ("round", "start_position", "accepted", "target_token_id", "finish_reason", "stale", "committed_length", "target_positions", "verify_seconds", "batch_size", "server_draft_token_ids", "gamma_cap", "logprobs", "server_forced_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class Verdict(_message.Message):
     SERVER_DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_CAP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     start_position: int
     accepted: int
@@ -237,7 +238,8 @@ class Verdict(_message.Message):
     server_draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma_cap: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., accepted: _Optional[int] = ..., target_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stale: _Optional[bool] = ..., committed_length: _Optional[int] = ..., target_positions: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., server_draft_token_ids: _Optional[_Iterable[int]] = ..., gamma_cap: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    server_forced_tokens: int
+    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., accepted: _Optional[int] = ..., target_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stale: _Optional[bool] = ..., committed_length: _Optional[int] = ..., target_positions: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., server_draft_token_ids: _Optional[_Iterable[int]] = ..., gamma_cap: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., server_forced_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -262,7 +264,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics", "plain_steps", "handoffs")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "generated_tokens", "round_positions", "prefill_positions", "target_positions_per_token", "engine_batches", "engine_forwards", "engine_seconds", "reused_positions", "kept_caches", "cache_bytes", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "stale_proposals", "refusals", "batch_seconds_counts", "batch_size_counts", "thin_sessions", "gamma_cap", "numerics", "plain_steps", "handoffs", "forced_tokens")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +298,7 @@ class ServerStats(_message.Message):
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
@@ -322,4 +325,5 @@ class ServerStats(_message.Message):
     numerics: _containers.RepeatedCompositeFieldContainer[Numerics]
     plain_steps: int
     handoffs: int
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ..., plain_steps: _Optional[int] = ..., handoffs: _Optional[int] = ...) -> None: ...
+    forced_tokens: int
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., round_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ..., target_positions_per_token: _Optional[float] = ..., engine_batches: _Optional[int] = ..., engine_forwards: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., reused_positions: _Optional[int] = ..., kept_caches: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., stale_proposals: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., batch_seconds_counts: _Optional[_Iterable[int]] = ..., batch_size_counts: _Optional[_Iterable[int]] = ..., thin_sessions: _Optional[int] = ..., gamma_cap: _Optional[int] = ..., numerics: _Optional[_Iterable[_Union[Numerics, _Mapping]]] = ..., plain_steps: _Optional[int] = ..., handoffs: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...

@@ -210,6 +210,8 @@ def test_batched_and_thin_sessions_equal_reference(server, drafters, engine, pro
         if drafting is Drafting.NONE and constraint is not None:
             assert stats.draft_tokens == 0 and stats.rounds == len(ids) - stats.forced_tokens, constraint
             assert stats.forced_tokens > 0 or constraint not in forcing, constraint
+        if drafting is Drafting.NGRAM and constraint in forcing:  # the verdicts say which runs were forced
+            assert stats.forced_tokens > 0, constraint
 
 
 def test_logprobs_are_those_of_the_masked_distribution(server, drafters, engine, prompts):

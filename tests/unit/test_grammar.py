@@ -236,13 +236,13 @@ def test_a_session_masks_every_position_whatever_the_draft(engine, tokenizer, sa
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.5, seed=9)])
 @pytest.mark.parametrize("logprobs", [None, 2])
-def test_a_thin_session_commits_a_forced_run_in_one_forward(engine, sampling, logprobs):
+@pytest.mark.parametrize("drafting", [Drafting.NONE, Drafting.NGRAM])
+def test_a_thin_session_commits_a_forced_run_in_one_forward(engine, sampling, logprobs, drafting):
     """A thin session (the verifier decoding alone) drafts the tokens its constraint forces: one forward
     commits the run and the token after it, with the tokens and logprobs of one token per forward
-    (`decode_alone`), and counts no draft."""
-    spec = SessionSpec(
-        (5, 6, 7), sampling, 40, constraint=schema(), drafting=Drafting.NONE, top_logprobs=logprobs
-    )
+    (`decode_alone`). The verdict says which server drafts were forced, and the counters count them as
+    forced, not drafted (prompt lookup's own drafts still count as drafts)."""
+    spec = SessionSpec((5, 6, 7), sampling, 40, constraint=schema(), drafting=drafting, top_logprobs=logprobs)
     alone_logprobs: list = []
     alone = _decode(engine, spec, logprobs=alone_logprobs)
 
@@ -260,7 +260,15 @@ def test_a_thin_session_commits_a_forced_run_in_one_forward(engine, sampling, lo
     assert verdicts[0].server_draft_token_ids == tuple(ids('{"a": '))  # the opening run, in one round
     assert len(verdicts) < len(alone)
     assert [lp for v in verdicts for lp in v.logprobs] == alone_logprobs
-    assert (session.stats.drafts, session.stats.draft_tokens) == (0, 0)
+    forced = [v for v in verdicts if v.server_forced_tokens]
+    assert verdicts[0].server_forced_tokens == len(ids('{"a": '))
+    assert all(v.server_forced_tokens == len(v.server_draft_token_ids) for v in forced)
+    assert session.stats.forced_tokens == sum(v.accepted for v in forced) >= len(ids('{"a": '))
+    drafted = [v for v in verdicts if v.server_draft_token_ids and not v.server_forced_tokens]
+    assert session.stats.draft_tokens == sum(len(v.server_draft_token_ids) for v in drafted)
+    assert session.stats.drafts == len(drafted)
+    if drafting is Drafting.NONE:
+        assert (session.stats.drafts, session.stats.draft_tokens) == (0, 0)
 
 
 def test_the_mask_decides_against_the_logits(engine):
