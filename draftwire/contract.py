@@ -175,6 +175,11 @@ class Proposal:
     start_position: int  # committed length the draft started from
     draft_token_ids: tuple[int, ...]  # [gamma]
     assumed_token_ids: tuple[int, ...] = ()  # committed tokens the edge assumes right before start
+    forced: tuple[int, ...] = ()  # increasing indexes into the draft of tokens a constraint forced
+
+    def proposed(self, n: int) -> int:
+        """How many of the first `n` draft tokens the draft model proposed (not forced)."""
+        return n - sum(i < n for i in self.forced)
 
 
 @dataclass(frozen=True)

@@ -59,5 +59,5 @@ STATS = (
     Stat("numerics", "union"),  # draftwire:numerics_info; a pool lists each distinct identity once
     _counter("plain_steps", "Edge rounds of no draft token: speculation off where it does not pay."),
     _counter("handoffs", "Thin sessions an edge handed over: speculation off, the verifier decoding."),
-    _counter("forced_tokens", "Tokens a constraint forced in thin sessions, committed with no draft."),
+    _counter("forced_tokens", "Tokens a constraint forced, committed with no draft step."),
 )

@@ -236,11 +236,13 @@ def proposal_to_proto(p: Proposal) -> pb.Proposal:
         start_position=p.start_position,
         draft_token_ids=p.draft_token_ids,
         assumed_token_ids=p.assumed_token_ids,
+        forced_indexes=p.forced,
     )
 
 
 def proposal_from_proto(p: pb.Proposal) -> Proposal:
-    return Proposal(p.round, p.start_position, tuple(p.draft_token_ids), tuple(p.assumed_token_ids))
+    draft, assumed, forced = tuple(p.draft_token_ids), tuple(p.assumed_token_ids), tuple(p.forced_indexes)
+    return Proposal(p.round, p.start_position, draft, assumed, forced)
 
 
 def verdict_to_proto(v: Verdict) -> pb.Verdict:

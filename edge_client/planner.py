@@ -345,7 +345,13 @@ class Planner:
         drafted.opening = not self._answered
         self.stats.sent_ahead += drafted.queued
         self.in_flight.append(drafted)
-        return Proposal(drafted.round, len(drafted.prefix), tuple(drafted.draft), tuple(drafted.assumed))
+        return Proposal(
+            drafted.round,
+            len(drafted.prefix),
+            tuple(drafted.draft),
+            tuple(drafted.assumed),
+            tuple(sorted(drafted.forced)),
+        )
 
     def apply(self, verdict: Verdict, arrived: float | None = None) -> list[int]:
         """Commits the verdict of the oldest proposal in flight; returns the tokens it adds.

@@ -136,7 +136,6 @@ class VerifierSession:
         self.matcher = self._constraint_matcher(spec)  # structured output: None when unconstrained
         self.committed = [*spec.prompt_token_ids, *spec.generated_token_ids]  # prompt + generated
         self.read_length = len(self.committed)  # a thin session: what its edge says it has read
-        self._forced = False  # the round own_proposal drafted holds a constraint's forced tokens
         self.last_round = 0
         self.finish: Finish | None = None
         self.target_positions = 0  # positions the target computed for this session
@@ -285,13 +284,13 @@ class VerifierSession:
         tokens), which the masked target chooses whatever its logits or the seed, so that one forward
         commits the run and the next token instead of one forward each (the bits of each position are
         the same: the invariant kernels); else prompt lookup's draft, or none."""
-        draft, self._forced = (), False
+        draft, forced = (), ()
         if self.matcher is not None:
             draft = tuple(self.matcher.forced()[: self.gamma_cap])
-            self._forced = bool(draft)
+            forced = tuple(range(len(draft)))
         if not draft and self.spec.drafting is Drafting.NGRAM:
             draft = tuple(ngram_draft(self.committed, min(NGRAM_GAMMA, self.gamma_cap)))
-        return Proposal(self.last_round + 1, len(self.committed), draft)
+        return Proposal(self.last_round + 1, len(self.committed), draft, forced=forced)
 
     def begin(self, proposal: Proposal) -> Round | Verdict:
         """Checks a proposal and says what the target must compute for it, or answers a stale one at
@@ -317,6 +316,11 @@ class VerifierSession:
             )
         self._check_ids(proposal.draft_token_ids, "draft")
         self._check_ids(proposal.assumed_token_ids, "assumed")
+        forced = proposal.forced
+        if any(i >= gamma for i in forced) or any(a >= b for a, b in itertools.pairwise(forced)):
+            raise InvalidRequest(
+                f"forced indexes {list(forced[:8])} must be increasing indexes into the {gamma} draft tokens"
+            )
         length = len(self.committed)
         stale = is_stale(self.committed, proposal)
         if not stale and self.finish is not None:
@@ -359,19 +363,21 @@ class VerifierSession:
         stats.round_positions += positions
         stats.generated_tokens += len(self.committed) - length
         stats.plain_steps += not begun.draft and not self.spec.thin
-        forced, self._forced = self._forced, False
-        if forced:
-            stats.forced_tokens += accepted
-        elif begun.draft:  # drafts, not the tokens a constraint forced (own_proposal)
+        # The draft model's tokens alone: a constraint's forced ones (the edge's, own_proposal's) count apart.
+        proposal = begun.proposal
+        proposed, accepted_proposed = proposal.proposed(len(begun.draft)), proposal.proposed(accepted)
+        stats.forced_tokens += accepted - accepted_proposed
+        if proposed:
             stats.drafts += 1
-            stats.draft_tokens += len(begun.draft)
-            stats.accepted_tokens += accepted
+            stats.draft_tokens += proposed
+            stats.accepted_tokens += accepted_proposed
             per_position = stats.accepted_per_position
-            per_position += [0] * (accepted - len(per_position))
-            for i in range(accepted):
+            per_position += [0] * (accepted_proposed - len(per_position))
+            for i in range(accepted_proposed):
                 per_position[i] += 1
             if self.batcher.gamma_cap is not None and not self.spec.thin:
-                self.batcher.gamma_cap.observe_round(len(begun.draft), accepted, cut=self.finish is not None)
+                cut = self.finish is not None or accepted in proposal.forced
+                self.batcher.gamma_cap.observe_round(proposed, accepted_proposed, cut=cut)
         verify_seconds, batch_size = self.batcher.stats.last.get(self.key, (0.0, 0))
         if verify_seconds and positions == len(begun.draft) + 1:  # a round's forward, no prefill in it
             self.batcher.stats.round_costs.observe(positions, verify_seconds)
@@ -379,9 +385,9 @@ class VerifierSession:
         if logprobs:
             verdict = dataclasses.replace(verdict, logprobs=logprobs)
         if self.spec.thin:  # the edge learns the server's drafts it accepted from the verdict
-            forced_tokens = len(begun.draft) if forced else 0
+            forced = len(begun.draft) - proposed  # own_proposal's forced runs lead the draft
             verdict = dataclasses.replace(
-                verdict, server_draft_token_ids=begun.draft, server_forced_tokens=forced_tokens
+                verdict, server_draft_token_ids=begun.draft, server_forced_tokens=forced
             )
         return verdict
 

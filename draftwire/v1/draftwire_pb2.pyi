@@ -159,16 +159,18 @@ class Constraint(_message.Message):
     def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., grammar: _Optional[str] = ..., regex: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids")
+    __slots__ = ("round", "start_position", "draft_token_ids", "assumed_token_ids", "forced_indexes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_INDEXES_FIELD_NUMBER: _ClassVar[int]
     round: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., forced_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EdgeMessage(_message.Message):
     __slots__ = ("open", "proposal", "read")

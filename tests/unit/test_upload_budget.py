@@ -12,6 +12,7 @@ import asyncio
 from draftwire import wire
 from draftwire.contract import ModelInfo, SamplingParams
 from draftwire.v1 import draftwire_pb2 as pb
+from edge_client.planner import DraftTokens
 from edge_client.session import EdgeSession, GenerationRequest
 from tools.bench.upload import BUDGET, GRPC_PREFIX, UINT32_MAX, UINT64_MAX, frame_bytes, worst_case
 from tools.testkit.fakes import FakeVerifier, fake_info
@@ -30,7 +31,8 @@ class LargestIds:
         self.vocabulary = vocabulary
 
     def propose(self, sequence, gamma, params, stop_token_ids=(), prompt_length=0):
-        return [self.vocabulary.size - 1] * gamma
+        # The last one as a constraint's forced token: the proposal then names it (forced_indexes)
+        return DraftTokens([self.vocabulary.size - 1] * gamma, forced=[gamma - 1])
 
 
 class FakeSessionCall:

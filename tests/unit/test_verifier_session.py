@@ -146,6 +146,20 @@ def test_a_proposal_assuming_the_committed_tokens_is_verified():
             SessionSpec(PROMPT), (Proposal(1, 3, (64,)),), InvalidRequest, "draft token id", id="id"
         ),
         pytest.param(
+            SessionSpec(PROMPT),
+            (Proposal(1, 3, (1, 2), forced=(2,)),),
+            InvalidRequest,
+            "forced",
+            id="forced past",
+        ),
+        pytest.param(
+            SessionSpec(PROMPT),
+            (Proposal(1, 3, (1, 2), forced=(1, 1)),),
+            InvalidRequest,
+            "forced",
+            id="forced twice",
+        ),
+        pytest.param(
             SessionSpec(PROMPT, max_new_tokens=1),
             (Proposal(1, 3, (GOOD[0],)), Proposal(2, 4, (GOOD[1],))),
             WrongState,
@@ -157,6 +171,20 @@ def test_a_proposal_assuming_the_committed_tokens_is_verified():
 def test_refusals(spec, proposals, error, message):
     with pytest.raises(error, match=message):
         play(spec, *proposals)
+
+
+def test_tokens_a_constraint_forced_count_apart_from_drafts():
+    """A proposal names the draft tokens a constraint forced: they are verified like the others, and
+    the counters give the draft model's tokens alone (forced_tokens: those committed)."""
+    verdicts, session, _ = play(
+        SessionSpec(PROMPT, max_new_tokens=20),
+        Proposal(1, 3, tuple(GOOD[:4]), forced=(1, 3)),  # all four accepted, two of them forced
+        Proposal(2, 8, (GOOD[5], 0, GOOD[7]), forced=(2,)),  # the draft model's second token refused
+    )
+    assert [v.accepted for v in verdicts] == [4, 1]
+    s = session.stats
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens, s.forced_tokens) == (2, 4, 3, 2)
+    assert s.accepted_per_position == [2, 1]
 
 
 def test_a_refused_proposal_changes_nothing():

@@ -43,14 +43,16 @@ def frame_bytes(message: pb.EdgeMessage) -> int:
 
 def worst_case(message: pb.EdgeMessage, assumed: int | None = None) -> pb.EdgeMessage:
     """`message` (a proposal) with every number at the contract's largest: round and start position at
-    2^64 - 1, each draft and assumed id at 2^32 - 1; with `assumed`, that many assumed ids (the contract
-    allows max_gamma + 1). Fields are raised, none dropped: a field the edge sets stays set."""
+    2^64 - 1, each draft and assumed id at 2^32 - 1, every draft token named forced; with `assumed`, that
+    many assumed ids (the contract allows max_gamma + 1). Fields are raised, none dropped: a field the edge
+    sets stays set."""
     worst = pb.EdgeMessage()
     worst.CopyFrom(message)
     p = worst.proposal
     p.round = p.start_position = UINT64_MAX
     p.draft_token_ids[:] = [UINT32_MAX] * len(p.draft_token_ids)
     p.assumed_token_ids[:] = [UINT32_MAX] * (len(p.assumed_token_ids) if assumed is None else assumed)
+    p.forced_indexes[:] = range(len(p.draft_token_ids))
     return worst
 
 

@@ -195,7 +195,9 @@ def test_tokens_a_constraint_forced_are_counted_apart_from_the_draft_models(wron
     if wrong_at is not None:
         tokens[wrong_at] += 1
     plan.add_draft(plan.next_draft(), DraftTokens(tokens, forced=[1, 2]))
-    verdict = FakeVerifier(request.spec()).answer(plan.next_proposal())
+    proposal = plan.next_proposal()
+    assert proposal.forced == (1, 2)  # named on the wire too: the verifier counts them apart as well
+    verdict = FakeVerifier(request.spec()).answer(proposal)
     new = plan.apply(verdict)
     assert new == target_continuation(PROMPT, len(new))
     assert (*seen[0], plan.stats.forced_tokens) == counted
