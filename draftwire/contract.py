@@ -169,6 +169,12 @@ class SessionSpec:
         return self.drafting is not Drafting.EDGE
 
 
+def proposed_among(forced: Collection[int], n: int) -> int:
+    """How many of the first `n` draft tokens the draft model proposed: those whose index is not in
+    `forced` (a constraint forced them, with no draft step)."""
+    return n - sum(i < n for i in forced)
+
+
 @dataclass(frozen=True)
 class Proposal:
     round: int  # 1, 2, ... within the session
@@ -179,7 +185,7 @@ class Proposal:
 
     def proposed(self, n: int) -> int:
         """How many of the first `n` draft tokens the draft model proposed (not forced)."""
-        return n - sum(i < n for i in self.forced)
+        return proposed_among(self.forced, n)
 
 
 @dataclass(frozen=True)

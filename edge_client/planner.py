@@ -24,6 +24,7 @@ from draftwire.contract import (
     SessionSpec,
     Verdict,
     generation_budget,
+    proposed_among,
     stop_set,
 )
 from edge_client.adaptive import Tuner
@@ -191,11 +192,11 @@ class InFlight:
     opening: bool = False  # sent before the stream's first verdict: it may wait for the open's prefill
     sent_s: float | None = None  # when it was sent (the transport's clock), if the transport says
     ahead: bool = False  # the drafter drafted while it was in flight: verified beside drafting
-    forced: frozenset[int] = frozenset()  # indexes of draft that a constraint forced (DraftTokens)
+    forced: tuple[int, ...] = ()  # increasing indexes of draft that a constraint forced (DraftTokens)
 
     def proposed(self, n: int) -> int:
         """How many of the first `n` draft tokens the draft model proposed (not forced)."""
-        return n - sum(i < n for i in self.forced)
+        return proposed_among(self.forced, n)
 
     def builds_on(self, committed: Sequence[int]) -> bool:
         """Whether it is still live: what it assumes agrees with the `committed` sequence."""
@@ -330,7 +331,7 @@ class Planner:
             self._blocked = len(job.base)
             return
         prefix = [*job.base, *assumed]
-        forced = frozenset(i - len(assumed) for i in forced if i >= len(assumed))  # draft's indexes
+        forced = tuple(sorted(i - len(assumed) for i in forced if i >= len(assumed)))  # draft's indexes
         self.drafted = InFlight(prefix, assumed, draft, self._final(prefix, draft), forced=forced)
 
     def next_proposal(self, now: float | None = None) -> Proposal | None:
@@ -345,13 +346,8 @@ class Planner:
         drafted.opening = not self._answered
         self.stats.sent_ahead += drafted.queued
         self.in_flight.append(drafted)
-        return Proposal(
-            drafted.round,
-            len(drafted.prefix),
-            tuple(drafted.draft),
-            tuple(drafted.assumed),
-            tuple(sorted(drafted.forced)),
-        )
+        draft, assumed = tuple(drafted.draft), tuple(drafted.assumed)
+        return Proposal(drafted.round, len(drafted.prefix), draft, assumed, drafted.forced)
 
     def apply(self, verdict: Verdict, arrived: float | None = None) -> list[int]:
         """Commits the verdict of the oldest proposal in flight; returns the tokens it adds.

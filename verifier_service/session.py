@@ -80,7 +80,7 @@ class VerifierStats:
     thin_sessions: int = 0  # sessions the verifier decoded itself
     plain_steps: int = 0  # edge sessions' verified rounds of no draft token (speculation off)
     handoffs: int = 0  # thin sessions an edge handed over while its speculation did not pay
-    forced_tokens: int = 0  # committed in thin sessions' rounds of a constraint's forced tokens
+    forced_tokens: int = 0  # committed tokens a constraint forced (Proposal.forced): not drafts
 
     @property
     def target_positions_per_token(self) -> float:
