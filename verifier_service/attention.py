@@ -6,14 +6,14 @@ positions in position order: scores are one matrix product per chunk of queries 
 the head dimension alone), the softmax runs over each query's row of whole blocks (masked keys are -inf,
 so trailing blocks add exact zeros and the vector lanes of the row's reductions never move), and the
 values are summed one block at a time, in order. The load proves it on the machine that serves
-(invariant.check_attention).
+(attention_checks.check_attention).
 
 `fused_attention` gives the same property through torch's fused kernel (scaled_dot_product_attention,
 whose CPU kernel runs a query over the keys in blocks of FUSED_BLOCK positions with an online softmax):
 the keys padded with zeros to whole blocks from position 0, hidden keys masked, the query rows padded
 to whole blocks of FUSED_ROWS. A trailing block a query does not see leaves its running sums exactly as
 they were, so a longer call adds nothing. 2-3x faster than `block_attention` at a prefill in bfloat16;
-used where the load proves it (invariant.fused_attention_holds)."""
+used where the load proves it (attention_checks.fused_attention_holds)."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def batched_block_attention(
     zeros, then one product for the scores, one softmax and one product per key block for the values,
     summed in position order. Each query gets the bits block_attention gives it alone: the padding adds
     rows that no other row reads, and key blocks of weight exactly 0 at the end of a row, as a longer
-    call of block_attention does (asked of the machine at load: invariant.batched_attention_holds).
+    call of block_attention does (asked of the machine at load: attention_checks.batched_attention_holds).
 
     query [1, heads, sum(widths), head_dim]: each session's new positions, one after another
     keys, values: per session [1, kv_heads, held, head_dim], its new positions last

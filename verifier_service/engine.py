@@ -27,12 +27,12 @@ from draftwire.vocab import vocabulary_from_hf
 from verifier_service import cuda, families, mapped
 from verifier_service import invariant as invariant_
 from verifier_service import numerics as numerics_
-from verifier_service.invariant import (
-    NotInvariant,
+from verifier_service.attention_checks import (
     batched_attention_holds,
+    check_attention,
     fused_attention_holds,
-    make_invariant,
 )
+from verifier_service.invariant import NotInvariant, make_invariant
 from verifier_service.kv import ROWS_ATTENTION, GrowingLayer, PrefixCache, RowsCache, SessionCache
 from verifier_service.numerics import Hardware, NoExactPath
 from verifier_service.settings import PrefixCacheConfig
@@ -73,6 +73,8 @@ class TargetEngine:
         self.kernels = invariant_.resolve(kernels, model.dtype, device) if invariant else None
         # onednn pads a small call's rows to the fastest minimum here (invariant.choose_padding).
         self.padding = make_invariant(model, self.kernels) if invariant else None
+        if invariant:  # the key blocks' attention, which every path falls back to
+            check_attention(model.dtype, device)
         # Off a CPU, a layer's attention runs all its sessions in one set of calls where that gives each
         # query the bits it gets alone here (checked); on a CPU, one session at a time is faster (views of
         # the caches, no copies), and the same bits, through torch's fused kernel where that is proven.

@@ -21,7 +21,8 @@ What this module puts in their place, as two backends (`--kernels`):
   the range where the library reduces every output over the inner dimension in the same order:
   - `onednn` (CPU): the weight packed once into oneDNN's blocked layout, each call oneDNN's inner
     product on it (`packed_linear`); the packed weight replaces the original, so the weights are held
-    once. Measured invariant from 2 to 512 rows in float32, 1 to 129 in bfloat16.
+    once. Measured invariant from 2 to 512 rows in float32, 1 to 129 in bfloat16. A long input goes
+    first in calls of exactly 1,024, 512 or 256 rows, each count proven at load (WHOLE_CALLS).
   - `portable` (any device, plain torch): `F.linear` on the model's own weight, every call of the same
     shape (PORTABLE_ROWS rows, padded), so that the library picks the same kernel and the same blocking
     every time. Row counts alone do not do it: MKL's float32 gemm changed a row's bits between 5 and 6
@@ -34,7 +35,8 @@ What this module puts in their place, as two backends (`--kernels`):
   reduction over keys never depends on how many keys or queries the call holds.
 
 None of that is a documented promise of the libraries, so the load proves it on the machine that serves
-(`check_linear` on the model's shapes, `check_attention`, then the engine's model-level check).
+(`check_linear` on the model's shapes and `whole_calls` here, verifier_service/attention_checks.py's
+`check_attention`, then the engine's model-level check).
 """
 
 from __future__ import annotations
@@ -52,13 +54,6 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from verifier_service import mapped
-from verifier_service.attention import (
-    KEY_BLOCK,
-    QUERY_CHUNK,
-    batched_block_attention,
-    block_attention,
-    fused_attention,
-)
 
 BACKENDS = ("onednn", "portable")  # what --kernels names besides auto (verifier_service/numerics.py)
 
@@ -80,6 +75,16 @@ ROW_POLICY: dict[torch.dtype, tuple[int, int, int]] = {
     torch.bfloat16: (1, 4, 128),
 }
 PADDINGS = (2, 4)
+# onednn, whole calls: a long input (a prefill) goes first in calls of exactly one of these row counts,
+# the largest that fits first, then the rest in calls of at most the dtype's most. Each count is one more
+# shape, so the load proves it on its own (`whole_calls`: one call of that many rows against the same rows
+# in the proven range, at both thread counts), and one a machine does not prove is not made. A prefill's
+# linear layers then run near the speed of one call: SmolLM2's shapes at 2,000 rows in bfloat16 on an AMD
+# EPYC took 2.15x one call in calls of 128 rows and 1.13x in calls of 512. The lm_head (a prefill runs it
+# on its last position alone) and layers past WHOLE_WEIGHTS keep the proven range: their proof would cost
+# seconds at load.
+WHOLE_CALLS = (1024, 512, 256)
+WHOLE_WEIGHTS = 32 << 20
 # portable: the rows of every call, per device type. A decode pads its one row to this many, which a
 # GPU does not feel; on CPU, where a row costs compute, fewer.
 PORTABLE_ROWS = {"cpu": 16}
@@ -122,14 +127,23 @@ def portable_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> tup
 
 
 def in_row_chunks(
-    x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor], min_rows: int, max_rows: int
+    x: torch.Tensor,
+    linear: Callable[[torch.Tensor], torch.Tensor],
+    min_rows: int,
+    max_rows: int,
+    whole: tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """`linear` over x's rows in calls of `min_rows` to `max_rows` rows, a short call padded with zero
-    rows that are dropped again.  # x [..., in] -> [..., out]"""
+    """`linear` over x's rows: first in calls of exactly one of the `whole` counts (largest first) while
+    one fits, then in calls of `min_rows` to `max_rows` rows, a short call padded with zero rows that are
+    dropped again.  # x [..., in] -> [..., out]"""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n = rows.shape[0]
-    outs = []
-    for start in range(0, n, max_rows):
+    outs, done = [], 0
+    for size in whole:
+        while n - done >= size:
+            outs.append(linear(rows[done : done + size]))
+            done += size
+    for start in range(done, n, max_rows):
         chunk = rows[start : start + max_rows]
         if chunk.shape[0] < min_rows:
             chunk = torch.cat([chunk, chunk.new_zeros(min_rows - chunk.shape[0], chunk.shape[1])])
@@ -150,16 +164,18 @@ def packed_linear(
     bias: torch.Tensor | None = None,
     min_rows: int | None = None,
     max_rows: int | None = None,
+    whole: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """x @ weight.T + bias on a `pack_weight`ed weight; each row's result is the same whatever the other
-    rows and their number. Calls of at most `max_rows` rows; one of fewer than `min_rows` runs padded to
-    that many (defaults: the dtype's ROW_POLICY).  # x [..., in] -> [..., out]"""
+    rows and their number. Calls of at most `max_rows` rows, after those of the `whole` counts
+    (`in_row_chunks`); one of fewer than `min_rows` runs padded to that many (defaults: the dtype's
+    ROW_POLICY).  # x [..., in] -> [..., out]"""
     _, default_min, default_max = ROW_POLICY[x.dtype]
 
     def call(chunk: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(chunk, packed, bias, "none", [], "")
 
-    return in_row_chunks(x, call, min_rows or default_min, max_rows or default_max)
+    return in_row_chunks(x, call, min_rows or default_min, max_rows or default_max, whole)
 
 
 class _InvariantMixin:
@@ -169,6 +185,7 @@ class _InvariantMixin:
     packed: torch.Tensor | None = None
     min_rows: int | None = None  # set by make_invariant; None: ROW_POLICY's (onednn)
     max_rows: int | None = None  # likewise
+    whole: tuple[int, ...] = ()  # onednn: the WHOLE_CALLS counts the load proved for this layer
 
     def _weight_out_in(self) -> torch.Tensor:
         raise NotImplementedError
@@ -178,7 +195,7 @@ class _InvariantMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias, self.min_rows, self.max_rows)
+            return packed_linear(x, self.packed, self.bias, self.min_rows, self.max_rows, self.whole)
         weight = self._weight_out_in()
         return in_row_chunks(x, lambda c: F.linear(c, weight, self.bias), self.min_rows, self.max_rows)
 
@@ -254,22 +271,12 @@ def make_invariant(
                 check_linear(dtype, set(own), min_rows=padding, kernels=backend, device=weight.device)
                 continue
             most = proven_rows(dtype, own, padding)
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            whole = whole_calls({s: m for s, m in own.items() if m is not head}, padding, most)
             for module in layers:
                 module.max_rows = most
-        check_attention(weight.dtype, weight.device)
+                module.whole = whole.get(_shape(module), ())
     return padding
-
-
-def proven_rows(
-    dtype: torch.dtype, shapes: Mapping[tuple[int, int], nn.Module] | set[tuple[int, int]], min_rows: int
-) -> int:
-    """ROW_POLICY's most rows of one onednn call, once `check_linear` proves calls of up to that many
-    row-invariant on `shapes` here (a mapping to packed layers checks those layers' own weights); raises
-    NotInvariant where it does not."""
-    most = ROW_POLICY[dtype][2]
-    layers = shapes if isinstance(shapes, Mapping) else None
-    check_linear(dtype, set(shapes), min_rows=min_rows, max_rows=most, layers=layers)
-    return most
 
 
 def _release_weight(module: nn.Module, files: list[tuple[int, int]]) -> None:
@@ -309,6 +316,46 @@ def time_paddings(linears: list[nn.Module], repeats: int = 3) -> dict[int, float
 def choose_padding(seconds: Mapping[int, float]) -> int:
     """The padding of the fastest lone-row pass (`time_paddings`); the larger on a tie."""
     return min(seconds, key=lambda p: (seconds[p], -p))
+
+
+def proven_rows(
+    dtype: torch.dtype, shapes: Mapping[tuple[int, int], nn.Module] | set[tuple[int, int]], min_rows: int
+) -> int:
+    """ROW_POLICY's most rows of one onednn call, once `check_linear` proves calls of up to that many
+    row-invariant on `shapes` here (a mapping to packed layers checks those layers' own weights); raises
+    NotInvariant where it does not."""
+    most = ROW_POLICY[dtype][2]
+    layers = shapes if isinstance(shapes, Mapping) else None
+    check_linear(dtype, set(shapes), min_rows=min_rows, max_rows=most, layers=layers)
+    return most
+
+
+def whole_calls(
+    layers: Mapping[tuple[int, int], nn.Module], min_rows: int, most: int, seed: int = 0
+) -> dict[tuple[int, int], tuple[int, ...]]:
+    """The WHOLE_CALLS counts (past `most`) each shape's packed layer gives the bits of the proven range
+    at: one call of that many random rows against the same rows in calls of `min_rows` to `most`, at
+    this thread count and the other. A count a machine does not prove for every shape is made for none
+    (no error: the proven range serves alone). Shapes past WHOLE_WEIGHTS get none."""
+    generator = torch.Generator().manual_seed(seed)
+    small = {
+        shape: layer
+        for shape, layer in layers.items()
+        if shape[0] * shape[1] <= WHOLE_WEIGHTS and getattr(layer, "packed", None) is not None
+    }
+    proven = [c for c in WHOLE_CALLS if c > most]
+    for (fan_in, _), layer in small.items():
+        if not proven:
+            break
+        x = torch.randn(max(proven), fan_in, generator=generator).to(layer.weight.dtype)
+        ranged = packed_linear(x, layer.packed, None, min_rows, most)  # row-invariant: slices hold
+        for size in list(proven):
+            whole = functools.partial(packed_linear, x[:size], layer.packed, None, min_rows, most, (size,))
+            with at_threads(other_thread_count()):
+                elsewhere = whole()
+            if not (torch.equal(whole(), ranged[:size]) and torch.equal(elsewhere, ranged[:size])):
+                proven.remove(size)
+    return {shape: tuple(proven) for shape in small}
 
 
 def _linear_of(
@@ -372,8 +419,8 @@ def check_linear(
                     f"the {kernels} {dtype} linear layer is not row-invariant on this machine "
                     f"({n} rows, {fan_in} -> {fan_out})"
                 )
-        threads, other = torch.get_num_threads(), _other_threads()
-        with _threads(other):
+        threads, other = torch.get_num_threads(), other_thread_count()
+        with at_threads(other):
             elsewhere = linear(x)
         if not torch.equal(elsewhere, whole):
             raise NotInvariant(
@@ -382,13 +429,13 @@ def check_linear(
             )
 
 
-def _other_threads() -> int:
+def other_thread_count() -> int:
     """The thread count the checks compare against: 1, or 2 where this process runs 1."""
     return 1 if torch.get_num_threads() > 1 else 2
 
 
 @contextlib.contextmanager
-def _threads(n: int):
+def at_threads(n: int):
     """torch's intra-op threads set to `n` for a while (a verifier with another thread count must get the
     same bits: the numerics identity names no thread count)."""
     before = torch.get_num_threads()
@@ -401,80 +448,3 @@ def _threads(n: int):
 
 def _packed_rows(rows: torch.Tensor, packed: torch.Tensor, min_rows: int | None, most: int) -> torch.Tensor:
     return packed_linear(rows, packed, None, min_rows, most)
-
-
-def check_attention(
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    attend: Callable[..., torch.Tensor] = block_attention,
-) -> None:
-    """Raises NotInvariant unless `attend` (block_attention, or fused_attention) gives each query the same
-    bits alone (a decode), as the last of a γ + 1 call (a round), and inside a whole prefill, at short
-    and long context (past 1,024 keys, across several key blocks and query chunks), with grouped-query
-    heads, and with and without a sliding window; and the prefill the same bits at another thread count
-    (1, or 2 where this process runs 1). About a second on CPU."""
-    generator = torch.Generator().manual_seed(seed)
-    cases = (  # heads, kv heads, head dimension, window, positions held
-        (6, 2, 64, None, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),  # 1,317
-        (4, 4, 32, 300, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),
-        (4, 1, 256, 512, 40),  # Gemma 3's heads
-        (12, 2, 128, None, 40),  # Qwen2.5's
-    )
-    for heads, kv_heads, dim, window, held in cases:
-        q, k, v = (
-            torch.randn(1, h, held, dim, generator=generator).to(device, dtype)
-            for h in (heads, kv_heads, kv_heads)
-        )
-        whole = attend(q, k, v, None, window)
-        with _threads(_other_threads()):
-            if not torch.equal(attend(q, k, v, None, window), whole):
-                raise NotInvariant(f"{dtype} attention gives other bits at another thread count here")
-        for p in sorted({0, 1, 4, KEY_BLOCK - 1, KEY_BLOCK, QUERY_CHUNK + 3, 1024, 1100, held - 1}):
-            if p >= held:
-                continue
-            seen = slice(0, p + 1)
-            # Keys and values of exactly the positions seen (copies), as a short cache holds them.
-            alone = attend(q[:, :, p : p + 1], k[:, :, seen].clone(), v[:, :, seen].clone(), None, window)
-            start = max(0, p - 4)
-            round_ = attend(q[:, :, start : p + 1], k[:, :, seen], v[:, :, seen], None, window)
-            if not (torch.equal(alone[0, 0], whole[0, p]) and torch.equal(alone[0, 0], round_[0, -1])):
-                raise NotInvariant(
-                    f"{dtype} attention at position {p} differs alone, in a round and in a prefill "
-                    "on this machine"
-                )
-
-
-def fused_attention_holds(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether `fused_attention` (torch's fused kernel) passes `check_attention` here: asked of the
-    machine at load, since the kernel's blocking is torch's choice, not a promise."""
-    try:
-        check_attention(dtype, device, attend=fused_attention)
-    except NotInvariant:
-        return False
-    return True
-
-
-def batched_attention_holds(dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> bool:
-    """Whether `batched_block_attention` gives every query of a batch of sessions the bits that
-    `block_attention` gives it on its own here, in two companies: rounds, a decode and a prefill chunk
-    past QUERY_CHUNK at short and long context beside each other, then one round beside a long prefill
-    (which widens the padded rows and key span of everything in the call). A GPU's kernels may pick their
-    reductions by a tensor's size, so this is asked of the machine, not assumed."""
-    generator = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim = 12, 2, 128  # Qwen2.5's
-    companies = (
-        [(40, 5), (1000, 1), (300, 9), (QUERY_CHUNK + 40, QUERY_CHUNK + 40)],
-        [(300, 5), (1500, 600)],
-    )
-    for sessions in companies:
-        qs, ks, vs = [], [], []
-        for held, n in sessions:
-            qs.append(torch.randn(1, heads, n, dim, generator=generator).to(device, dtype))
-            for states in (ks, vs):
-                states.append(torch.randn(1, kv_heads, held, dim, generator=generator).to(device, dtype))
-        alone = torch.cat([block_attention(q, k, v) for q, k, v in zip(qs, ks, vs, strict=True)], 1)
-        batched = batched_block_attention(torch.cat(qs, 2), ks, vs, [n for _, n in sessions])
-        if not torch.equal(alone, batched):
-            return False
-    return True

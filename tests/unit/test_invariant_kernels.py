@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tests.capability import dtype_params
-from verifier_service import invariant
+from verifier_service import attention_checks, invariant
 from verifier_service.attention import batched_block_attention, block_attention, fused_attention
 from verifier_service.invariant import make_invariant, pack_weight, packed_linear
 
@@ -113,6 +113,56 @@ def test_a_kernel_whose_bits_follow_the_thread_count_is_refused(monkeypatch, thr
         invariant.check_linear(torch.float32, [(96, 160)])
 
 
+def test_long_inputs_go_in_whole_calls_first_then_in_the_proven_range():
+    """A prefill's rows: calls of exactly the whole counts, the largest that fits first, then the rest in
+    calls of at most max_rows, a short one padded; each row's result lands in its place."""
+    sizes = []
+
+    def linear(chunk):
+        sizes.append(chunk.shape[0])
+        return chunk * 2
+
+    x = torch.arange(21.0)[:, None]
+    out = invariant.in_row_chunks(x, linear, min_rows=2, max_rows=3, whole=(8, 4))
+    assert sizes == [8, 8, 4, 2]  # 21 = 8 + 8 + 4 + one row padded to 2
+    assert torch.equal(out, x * 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_whole_calls_the_load_proves_give_the_proven_ranges_bits(dtype, threads):
+    """The load proves each whole count on a layer's own packed weight; a prefill through the layer then
+    gives every row the bits of that row alone (here: 1,800 rows, SmolLM2's 576 -> 1536)."""
+    _, _, most = invariant.ROW_POLICY[dtype]
+    g = torch.Generator().manual_seed(8)
+    layer = torch.nn.Linear(576, 1536, bias=False).to(dtype)
+    make_invariant(torch.nn.Sequential(layer), check=False, padding=4)
+    proven = invariant.whole_calls({(576, 1536): layer}, 4, most)
+    assert proven == {(576, 1536): tuple(c for c in invariant.WHOLE_CALLS if c > most)}
+    layer.max_rows, layer.whole = most, proven[(576, 1536)]
+    x = torch.randn(1800, 576, generator=g).to(dtype)
+    with torch.inference_mode():
+        out = layer(x)
+        for i in (0, 1, 700, 1023, 1024, 1535, 1536, 1799):
+            assert torch.equal(out[i : i + 1], layer(x[i : i + 1])), i
+
+
+def test_a_whole_count_with_other_bits_is_not_made(monkeypatch):
+    """Where one call of a whole count gives a row other bits than the proven range, that count is made
+    for no shape, and the others still are; a layer past WHOLE_WEIGHTS gets none."""
+    layers = {shape: torch.nn.Linear(*shape, bias=False) for shape in [(96, 160), (160, 96)]}
+    make_invariant(torch.nn.Sequential(*layers.values()), check=False, padding=4)
+    real = invariant.packed_linear
+
+    def off_at_512(x, packed, bias=None, min_rows=None, max_rows=None, whole=()):
+        out = real(x, packed, bias, min_rows, max_rows, whole)
+        return out + 1 if 512 in whole else out
+
+    monkeypatch.setattr(invariant, "packed_linear", off_at_512)
+    assert set(invariant.whole_calls(layers, 4, 256).values()) == {(1024,)}
+    monkeypatch.setattr(invariant, "WHOLE_WEIGHTS", 96 * 160 - 1)
+    assert invariant.whole_calls(layers, 4, 256) == {}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_is_close_to_torch(dtype):
     g = torch.Generator().manual_seed(1)
@@ -183,7 +233,7 @@ AttentionInterface.register("invariant_test_exact", _exact)
 
 
 def _tiny_llama(
-    dtype, invariant_mode: bool, padding: int | None = None, kernels: str = "onednn"
+    dtype, invariant_mode: bool, padding: int | None = None, kernels: str = "onednn", check: bool = False
 ) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -193,21 +243,22 @@ def _tiny_llama(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).to(dtype).eval()
-    if invariant_mode:
-        make_invariant(model, kernels, check=False, padding=padding)  # the checks have tests of their own
+    if invariant_mode:  # the checks have tests of their own; a model checked gets its whole calls
+        make_invariant(model, kernels, check=check, padding=padding)
         model.set_attn_implementation("invariant_test_exact")
     return model
 
 
-def _logits_one_at_a_time_and_in_rounds(model, ids: list[int], prefix: int, width: int):
-    """Logits of positions prefix.. computed one per forward, and `width` per forward, over a cache."""
+def _logits_one_at_a_time_and_in_rounds(model, ids: list[int], prefix: int, width: int, first: int = 1):
+    """Logits of positions prefix.. computed `first` (one) per forward, and `width` per forward, over a
+    cache."""
     with torch.inference_mode():
         runs = []
-        for step in (1, width):
+        for step in (first, width):
             cache = DynamicCache(config=model.config)
             model(input_ids=torch.tensor([ids[:prefix]]), past_key_values=cache, use_cache=True)
             logits = []
@@ -229,6 +280,19 @@ def test_tiny_llama_logits_equal_one_position_forwards(dtype, width, kernels):
     ids = [(37 * i + 11) % 512 for i in range(60)]
     one, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 9, width)
     assert torch.equal(one, rounds)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_long_prefill_in_whole_calls_gives_each_position_the_bits_of_rounds(dtype):
+    """A prompt of 1,299 positions in one forward (a whole call of 1,024 rows, then 256 and 19 rows)
+    gives every position the logits it gets in rounds of 5 over the same cache."""
+    model = _tiny_llama(dtype, invariant_mode=True, check=True)
+    layers = [m for m in model.model.modules() if isinstance(m, invariant.InvariantLinear)]
+    proven = tuple(c for c in invariant.WHOLE_CALLS if c > invariant.ROW_POLICY[dtype][2])
+    assert {m.whole for m in layers} == {proven} and model.lm_head.whole == ()  # a prefill's last row
+    ids = [(37 * i + 11) % 512 for i in range(1300)]
+    whole, rounds = _logits_one_at_a_time_and_in_rounds(model, ids, 1, 5, first=1299)
+    assert torch.equal(whole, rounds)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -285,17 +349,21 @@ def test_portable_linear_rows_equal_alone(dtype, threads):
 def test_attention_is_invariant_at_long_context(dtype, threads, attend):
     """The load's attention check: a query alone, as the last of a round and inside a whole prefill of
     1,317 positions (several key blocks and query chunks, past 1,024 keys), with and without a window."""
-    invariant.check_attention(dtype, attend=attend)
+    attention_checks.check_attention(dtype, attend=attend)
 
 
 def test_the_fused_attention_is_refused_where_its_check_fails(monkeypatch):
     """A load asks the machine whether torch's fused kernel holds (fused_attention_holds); where a query's
     bits change with its company, the answer is no, and the engine keeps its own key blocks."""
-    assert invariant.fused_attention_holds(torch.float32)
+    assert attention_checks.fused_attention_holds(torch.float32)
     calls = iter(range(1_000_000))
-    real = invariant.fused_attention
-    monkeypatch.setattr(invariant, "fused_attention", lambda *a: real(*a) * (1 + 2**-20 * (next(calls) % 2)))
-    assert not invariant.fused_attention_holds(torch.float32)
+    real = attention_checks.fused_attention
+
+    def flaky(*args):
+        return real(*args) * (1 + 2**-20 * (next(calls) % 2))
+
+    monkeypatch.setattr(attention_checks, "fused_attention", flaky)
+    assert not attention_checks.fused_attention_holds(torch.float32)
 
 
 @ATTENDS
@@ -440,13 +508,15 @@ def test_batched_attention_gives_each_query_its_bits_alone(
 def test_the_loads_question_of_the_batched_attention_says_yes_where_it_holds(dtype):
     """What a load off a CPU asks of its machine (batched_attention_holds) answers yes here, where the
     test above shows the batched path gives each query its bits alone."""
-    assert invariant.batched_attention_holds(dtype)
+    assert attention_checks.batched_attention_holds(dtype)
 
 
 def test_a_batch_whose_rows_differ_is_seen_to_differ(monkeypatch):
     """The load's question can say no: padding that changed a row's bits would be caught."""
-    import verifier_service.invariant as inv
+    real = attention_checks.batched_block_attention
 
-    real = inv.batched_block_attention
-    monkeypatch.setattr(inv, "batched_block_attention", lambda *a, **k: real(*a, **k) * (1 + 2**-20))
-    assert not inv.batched_attention_holds(torch.float32)
+    def off(*args, **kwargs):
+        return real(*args, **kwargs) * (1 + 2**-20)
+
+    monkeypatch.setattr(attention_checks, "batched_block_attention", off)
+    assert not attention_checks.batched_attention_holds(torch.float32)

@@ -89,6 +89,7 @@ REFERENCE_CODE = (
     "draftwire/ngram.py",
     "draftwire/rules.py",
     "verifier_service/attention.py",
+    "verifier_service/attention_checks.py",
     "verifier_service/batcher.py",
     "verifier_service/engine.py",
     "verifier_service/families.py",
