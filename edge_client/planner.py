@@ -93,6 +93,7 @@ class GenerationStats:
     target_positions: int = 0  # the verifier's figure for this session, prefill included
     reused_positions: int = 0  # prefill positions the verifier took from a kept cache (last open)
     first_token_s: float | None = None  # from the start to the first committed token
+    first_tokens: int = 0  # committed with it, by the first verdict (a speculative one commits several)
     started_at: float = 0.0  # perf_counter() when the generation started
     verify_s: float = 0.0  # the verifier's forward passes for this generation's rounds, as it reports
     batched_with: int = 0  # sum over rounds of the sessions that shared the round's forward pass
@@ -128,12 +129,17 @@ class GenerationStats:
 
     @property
     def speculation_gain(self) -> float:
-        """Tokens/s after the first token over the target alone's at its one-step time (0: unknown):
+        """Tokens/s after the first verdict over the target alone's at its one-step time (0: unknown):
         below 1, this request would have been faster without speculation."""
+        return self.decode_rate * self.step_s
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens/s after the first verdict: the rounds alone, without the prefill and the first round
+        (which commits one token alone, or several under speculation). 0 where nothing followed it."""
         after_first = self.wall_s - (self.first_token_s or 0.0)
-        if not self.step_s or after_first <= 0 or self.generated_tokens < 2:
-            return 0.0
-        return (self.generated_tokens - 1) / after_first * self.step_s
+        later = self.generated_tokens - max(self.first_tokens, 1)
+        return later / after_first if after_first > 0 and later > 0 else 0.0
 
     def as_json(self) -> dict:
         """The figures `generate --json` and `reference --json` print."""

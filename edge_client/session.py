@@ -104,6 +104,7 @@ class Generation:
         """Tokens a verdict committed, and their logprobs."""
         if self.stats.first_token_s is None:
             self.stats.first_token_s = time.perf_counter() - self.stats.started_at
+            self.stats.first_tokens = len(new)
         self.generated += new
         self.logprobs += logprobs
 

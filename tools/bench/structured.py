@@ -77,7 +77,8 @@ async def run_all(args, log=print) -> dict:
     drafter = LlamaDrafter(DrafterConfig(args.draft or smollm2.draft_path(args.pair), n_threads=1))
     flags = ["--max-gamma", "8", "--threads", str(len(args.verifier_cpus)), "--prefix-cache-mb", "0"]
     flags += ["--dtype", args.dtype]
-    zero = dict(tokens=0, wall_s=0.0, rounds=0, drafted=0, accepted=0, forced=0, verify_s=0.0)
+    zero = dict(tokens=0, wall_s=0.0, decode_tokens=0, decode_s=0.0, rounds=0, drafted=0, accepted=0)
+    zero.update(forced=0, verify_s=0.0, draft_s=0.0)
     totals = {arm: dict(zero) for arm in ARMS}
     outputs: dict[str, list] = {arm: [] for arm in ARMS}
     with ServerProcess(target, *flags, cpus=args.verifier_cpus) as server:
@@ -92,6 +93,11 @@ async def run_all(args, log=print) -> dict:
                     t = totals[arm]
                     t["tokens"] += len(ids)
                     t["wall_s"] += stats.wall_s
+                    # After the first verdict: the rounds, without the prompt's prefill, which the arms
+                    # share and which weighs more on the schema's shorter replies.
+                    t["decode_tokens"] += len(ids) - stats.first_tokens
+                    t["decode_s"] += stats.wall_s - stats.first_token_s
+                    t["draft_s"] += stats.draft_s
                     t["rounds"] += stats.rounds
                     t["drafted"] += stats.draft_tokens
                     t["accepted"] += stats.accepted_tokens
@@ -103,16 +109,20 @@ async def run_all(args, log=print) -> dict:
     for arm, t in totals.items():
         alone = totals[("schema" if arm.startswith("schema") else "free") + "-alone"]
         rate = t["tokens"] / t["wall_s"]
+        decode = t["decode_tokens"] / t["decode_s"]
         rows.append(
             {
                 "arm": arm,
                 "tokens": t["tokens"],
                 "tokens_per_s": rate,
                 "vs_alone": rate / (alone["tokens"] / alone["wall_s"]),
+                "decode_tokens_per_s": decode,
+                "decode_vs_alone": decode / (alone["decode_tokens"] / alone["decode_s"]),
                 "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else None,
                 "forced_tokens": t["forced"],
                 "tokens_per_round": t["tokens"] / t["rounds"] if t["rounds"] else None,
                 "verify_ms_per_round": 1000 * t["verify_s"] / t["rounds"] if t["rounds"] else None,
+                "draft_ms_per_round": 1000 * t["draft_s"] / t["rounds"] if t["rounds"] else None,
             }
         )
     verify_ms = next(r["verify_ms_per_round"] for r in rows if r["arm"] == "schema")
@@ -170,16 +180,20 @@ def markdown(report: dict) -> str:
         "title, up to 4 points and a confidence (tools/bench/structured.py).",
         "",
         "| arm | tokens | tokens/s | vs the target alone, same constraint | acceptance | forced tokens "
-        "| tokens/round | verify ms/round |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens/round | verify ms/round | draft ms/round | after the first verdict: tokens/s "
+        "| vs the target alone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         per = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
         ver = f"{r['verify_ms_per_round']:.1f}" if r["verify_ms_per_round"] else "-"
+        drf = f"{r['draft_ms_per_round']:.1f}" if r["draft_ms_per_round"] else "-"
+        decode = f"{r['decode_tokens_per_s']:.1f} | {r['decode_vs_alone']:.2f}"
         rate = f"{r['tokens_per_s']:.1f} | {r['vs_alone']:.2f}"
         forced = r["forced_tokens"]
-        lines.append(f"| {r['arm']} | {r['tokens']} | {rate} | {acc} | {forced} | {per} | {ver} |")
+        cells = [r["arm"], r["tokens"], rate, acc, forced, per, ver, drf, decode]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     share = report["mask_share_of_round"]
     lines += [
         "",

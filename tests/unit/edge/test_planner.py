@@ -4,12 +4,14 @@ Torch-free: CI runs these in the edge-only environment too.
 """
 
 import dataclasses
+import time
 
 import pytest
 
-from draftwire.contract import ModelInfo
+from draftwire.contract import ModelInfo, SamplingParams
 from edge_client.adaptive import Tuner
 from edge_client.planner import BadVerdict, DraftTokens, GenerationRequest, Planner
+from edge_client.session import Generation
 from tools.testkit.fakes import FakeVerifier, MistakenDrafter, drive, fake_info, target_continuation
 
 PROMPT = (5, 9, 12)
@@ -214,3 +216,17 @@ def test_a_round_of_forced_tokens_alone_is_no_plain_step_to_the_tuner():
     plan.apply(FakeVerifier(request.spec()).answer(plan.next_proposal()))
     assert (plan.tuner.plain_steps, plan.stats.plain_steps) == (0, 0)
     assert (plan.stats.draft_tokens, plan.stats.forced_tokens, plan.stats.generated_tokens) == (0, 3, 4)
+
+
+def test_the_decode_rate_leaves_out_the_prefill_and_the_first_verdicts_tokens():
+    generation = Generation(GenerationRequest((1, 2, 3), SamplingParams(), 16, 4))
+    generation.stats.started_at = time.perf_counter() - 1.0
+    generation.commit([7, 8, 9, 10, 11], [])  # a speculative first verdict: 5 tokens at once
+    generation.commit([12], [])
+    stats = generation.stats
+    assert stats.first_tokens == 5 and stats.first_token_s >= 1.0
+    stats.generated_tokens, stats.wall_s, stats.step_s = 9, stats.first_token_s + 2.0, 0.1
+    assert stats.decode_rate == pytest.approx(2.0)  # 4 tokens in the 2 s after the first verdict
+    assert stats.speculation_gain == pytest.approx(0.2)
+    stats.generated_tokens = 5  # nothing after the first verdict: no rate
+    assert stats.decode_rate == 0.0 and stats.speculation_gain == 0.0
