@@ -77,8 +77,8 @@ async def run_all(args, log=print) -> dict:
     drafter = LlamaDrafter(DrafterConfig(args.draft or smollm2.draft_path(args.pair), n_threads=1))
     flags = ["--max-gamma", "8", "--threads", str(len(args.verifier_cpus)), "--prefix-cache-mb", "0"]
     flags += ["--dtype", args.dtype]
-    zero = dict(tokens=0, wall_s=0.0, decode_tokens=0, decode_s=0.0, rounds=0, drafted=0, accepted=0)
-    zero.update(forced=0, verify_s=0.0, draft_s=0.0)
+    zero = dict.fromkeys(["tokens", "decode_tokens", "rounds", "drafted", "accepted", "forced"], 0)
+    zero |= dict.fromkeys(["wall_s", "decode_s", "verify_s", "draft_s"], 0.0)
     totals = {arm: dict(zero) for arm in ARMS}
     outputs: dict[str, list] = {arm: [] for arm in ARMS}
     with ServerProcess(target, *flags, cpus=args.verifier_cpus) as server:
