@@ -30,6 +30,11 @@ MIN_QUERY_ROWS = 16
 FUSED_BLOCK = 512  # keys
 FUSED_ROWS = 32  # queries
 FUSED_CHUNK = 5 * FUSED_ROWS  # query rows of one call: under 192
+# A prefill from position 0 of at least CAUSAL_MIN queries goes as one causal call instead (the kernel
+# skips the key blocks past a query block's last row): calls of 768 rows or more run in query blocks of
+# CAUSAL_ROWS, padded to whole ones here.
+CAUSAL_ROWS = 256
+CAUSAL_MIN = 3 * CAUSAL_ROWS
 
 
 def block_attention(
@@ -110,6 +115,8 @@ def fused_attention(
     """
     _, heads, n, dim = query.shape
     kv_heads, held = keys.shape[1], keys.shape[2]
+    if held == n and n >= CAUSAL_MIN and window is None:
+        return _causal_prefill(query, keys, values, scaling)
     group = heads // kv_heads
     fold = group if group * n <= FUSED_CHUNK else 1  # query heads of a kv head as rows of one call
     first = held - n
@@ -135,6 +142,26 @@ def fused_attention(
         )
         out[:, :, a:b] = result[0, :, : fold * m].view(heads // fold, fold, m, dim)
     return out.reshape(heads, n, dim).transpose(0, 1)[None]
+
+
+def _causal_prefill(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """`fused_attention` of a whole prefill from position 0 as one causal call: the query rows padded with
+    zeros to whole blocks of CAUSAL_ROWS, the keys to whole blocks of FUSED_BLOCK (a padding row's keys
+    are zeros or a buffer's room, and its result is dropped). Each query runs over the same key blocks in
+    the same order as in fused_attention's other calls; blocks wholly past it are skipped, which its
+    running sums could not tell from blocks of weight exactly 0.
+    # query [1, heads, n, dim]; keys, values [1, kv_heads, n, dim] -> [1, n, heads, dim]"""
+    _, heads, n, dim = query.shape
+    padded = -(-n // CAUSAL_ROWS) * CAUSAL_ROWS
+    hi = -(-n // FUSED_BLOCK) * FUSED_BLOCK
+    rows = torch.nn.functional.pad(query, (0, 0, 0, padded - n))
+    k, v = (_blocks(s[0], 0, hi, query.dtype)[None] for s in (keys, values))
+    result = torch.nn.functional.scaled_dot_product_attention(
+        rows, k, v, is_causal=True, scale=scaling, enable_gqa=True
+    )
+    return result[:, :, :n].transpose(1, 2)
 
 
 def _seen(

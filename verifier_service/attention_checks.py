@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from verifier_service.attention import (
+    CAUSAL_MIN,
     KEY_BLOCK,
     QUERY_CHUNK,
     batched_block_attention,
@@ -30,13 +31,15 @@ def check_attention(
     bits alone (a decode), as the last of a γ + 1 call (a round), and inside a whole prefill, at short
     and long context (past 1,024 keys, across several key blocks and query chunks), with grouped-query
     heads, and with and without a sliding window; and the prefill the same bits at another thread count
-    (1, or 2 where this process runs 1). About a second on CPU."""
+    (1, or 2 where this process runs 1). A fraction of a second on CPU."""
     generator = torch.Generator().manual_seed(seed)
     cases = (  # heads, kv heads, head dimension, window, positions held
         (6, 2, 64, None, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),  # 1,317
         (4, 4, 32, 300, 2 * QUERY_CHUNK + KEY_BLOCK * 3 + 37),
         (4, 1, 256, 512, 40),  # Gemma 3's heads
         (12, 2, 128, None, 40),  # Qwen2.5's
+        (12, 2, 128, None, CAUSAL_MIN + 37),  # and prefills in one causal call
+        (4, 1, 256, None, CAUSAL_MIN + 37),
     )
     for heads, kv_heads, dim, window, held in cases:
         q, k, v = (

@@ -2,6 +2,8 @@
 logits are bitwise the same computed alone, inside a gamma + 1 forward, and inside a ragged batch of
 sessions, in float32 and bfloat16; and the plain path is not (so these tests are known to bite)."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -81,3 +83,23 @@ def test_a_batch_whose_attention_runs_in_one_set_of_calls_gives_each_row_its_bit
     engine.batched_attention = True
     for rows, expected in zip(together(engine, prompts, [5, 1, 9]), alone, strict=True):
         assert torch.equal(rows, expected[: rows.shape[0]])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "blocks"])
+@pytest.mark.parametrize("dtype", dtype_params("float32", "bfloat16"))
+def test_a_long_prompt_in_one_forward_gives_each_position_its_bits_in_pieces(pair, prompts, dtype, fused):
+    """A prompt of 900 positions prefilled in one forward (past attention.CAUSAL_MIN, which the fused
+    kernel takes as one causal call, and past the whole linear calls' 512 rows) gives every position the
+    logits it gets when the same prompt runs in pieces after a cache: a chunk of 300, a round, one
+    position, a chunk of 161 (past one fused call's rows), then the rest."""
+    engine = TargetEngine.load(pair / smollm2.TARGET, dtype=dtype)
+    if fused and not engine.fused_attention:
+        pytest.skip("the load found torch's fused attention not invariant on this machine")
+    engine.fused_attention = fused
+    prompt = (prompts[0] + prompts[1] + prompts[2]) * 40
+    prompt = prompt[:900]
+    assert len(prompt) == 900
+    whole = engine.forward("whole", 0, prompt)
+    edges = [0, 300, 305, 306, 467, 900]
+    pieces = torch.cat([engine.forward("pieces", a, prompt[a:b]) for a, b in pairwise(edges)])
+    assert torch.equal(whole, pieces)

@@ -11,7 +11,12 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 
 from tests.capability import dtype_params
 from verifier_service import attention_checks, invariant
-from verifier_service.attention import batched_block_attention, block_attention, fused_attention
+from verifier_service.attention import (
+    CAUSAL_MIN,
+    batched_block_attention,
+    block_attention,
+    fused_attention,
+)
 from verifier_service.invariant import make_invariant, pack_weight, packed_linear
 
 DTYPES = dtype_params(torch.float32, torch.bfloat16)
@@ -206,6 +211,29 @@ def test_attention_rows_equal_one_query_at_a_time(dtype, window, threads, attend
             k1[:, :, : p + 1], v1[:, :, : p + 1] = keys[:, :, : p + 1], values[:, :, : p + 1]
             one = attend(queries[:, :, p : p + 1], k1[:, :, : p + 1], v1[:, :, : p + 1], 0.17, window)
             assert torch.equal(out[0, j], one[0, 0]), (n, j)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_long_prefill_in_one_causal_call_gives_each_query_its_bits_alone(dtype, threads):
+    """A prefill from position 0 of CAUSAL_MIN queries or more goes through the fused kernel as one causal
+    call (query rows padded to the kernel's blocks of 256, keys to 512, read from a buffer's room); each
+    query gets the bits of a one-query call over the cache up to it and of the last query of a round,
+    at positions on both sides of every block edge, the last one among them."""
+    g = torch.Generator().manual_seed(4)
+    held = CAUSAL_MIN + 45  # 813: query blocks of 256 with a tail, key blocks of 512 with a tail
+    keys, values = _cache(held, 1024, 2, dtype, g)
+    queries = torch.randn(1, 6, held, 32, generator=g).to(dtype)
+    whole = fused_attention(queries, keys, values, 0.17)
+    assert whole.shape == (1, held, 6, 32)
+    for p in [0, 1, 255, 256, 511, 512, 767, 768, held - 1]:
+        seen = slice(0, p + 1)
+        alone = fused_attention(
+            queries[:, :, p : p + 1], keys[:, :, seen].clone(), values[:, :, seen].clone(), 0.17
+        )
+        round_ = fused_attention(
+            queries[:, :, max(0, p - 4) : p + 1], keys[:, :, seen], values[:, :, seen], 0.17
+        )
+        assert torch.equal(whole[0, p], alone[0, 0]) and torch.equal(whole[0, p], round_[0, -1]), p
 
 
 @ATTENDS
