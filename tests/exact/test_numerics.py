@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from draftwire.contract import Numerics
-from verifier_service import numerics
+from verifier_service import families, numerics
 from verifier_service.engine import TargetEngine
+from verifier_service.families import UnsupportedModel
 from verifier_service.invariant import NotInvariant
 from verifier_service.numerics import Hardware, NoExactPath
 
@@ -193,6 +194,46 @@ def test_a_dtype_whose_proof_fails_is_refused_not_served(target_dir, monkeypatch
     with pytest.raises(NoExactPath, match="--no-bit-exact") as refused:
         TargetEngine.load(target_dir, dtype="float32")
     assert "injected" in str(refused.value)
+
+
+def _errors(monkeypatch, errors: list[float]) -> list[float]:
+    """families.relative_error giving `errors` in turn, one per forward of the model's own that the
+    conformance check compares with (eager, then sdpa); returns the list of those it gave."""
+    given = []
+
+    def scripted(ours, own):
+        given.append(errors[len(given)])
+        return given[-1]
+
+    monkeypatch.setattr(families, "relative_error", scripted)
+    return given
+
+
+def test_conformance_takes_the_sdpa_forward_where_the_eager_one_misses(target_dir, monkeypatch):
+    """transformers' eager attention rounds bfloat16 scores before the softmax (Qwen2.5-1.5B's own logits
+    were 0.106 of their range off float32 that way, 0.019 through sdpa): an engine within tolerance of
+    the sdpa forward is served; one that misses both is refused with the nearer figure."""
+    engine = TargetEngine.load(target_dir, dtype="float32")
+    given = _errors(monkeypatch, [0.5, 1e-6])
+    engine.check_conformance()
+    assert given == [0.5, 1e-6]
+    given = _errors(monkeypatch, [0.5, 0.25])
+    with pytest.raises(UnsupportedModel, match="off by 2.5e-01 of their range in float32"):
+        engine.check_conformance()
+    given = _errors(monkeypatch, [1e-6])
+    engine.check_conformance()
+    assert given == [1e-6]  # eager met: no second forward
+    assert engine.model.config._attn_implementation == "draftwire_rows"  # the engine's own, after
+
+
+def test_a_soft_capped_model_is_checked_against_eager_alone(target_dir, monkeypatch):
+    """sdpa drops Gemma 2's cap on the scores, so it is no reference for a capped model."""
+    engine = TargetEngine.load(target_dir, dtype="float32")
+    monkeypatch.setattr(engine.model.config, "attn_logit_softcapping", 50.0, raising=False)
+    given = _errors(monkeypatch, [0.5, 1e-6])
+    with pytest.raises(UnsupportedModel, match="off by 5.0e-01"):
+        engine.check_conformance()
+    assert given == [0.5]
 
 
 def test_the_plain_path_reports_itself_not_exact(target_dir):
