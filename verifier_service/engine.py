@@ -147,6 +147,7 @@ class TargetEngine:
             )
             if engine is not None:
                 engine.passed_over, engine.tokenizer = tuple(passed_over), tokenizer
+                mapped.trim_heap()  # what the proofs freed, back to the system
                 return engine
             gc.collect()  # the copy that failed, before the next dtype's loads
         raise NoExactPath(

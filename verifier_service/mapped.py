@@ -6,7 +6,8 @@ a load that converts each weight to another dtype, or packs it into another layo
 pages beside the copies: the weights twice over at the peak. `drop_pages` tells the kernel that the
 pages under a view that nothing reads any more may go (madvise DONTNEED: a read-only file mapping
 reads them from the file again if ever touched), only where the view lies in a mapped safetensors file:
-the pages of an ordinary allocation are never touched.
+the pages of an ordinary allocation are never touched. `trim_heap` gives back what the load's proofs
+freed and the allocator kept.
 """
 
 from __future__ import annotations
@@ -59,3 +60,14 @@ def drop_pages(tensor: torch.Tensor, files: list[tuple[int, int]]) -> int:
     if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
         return 0
     return last - first
+
+
+def trim_heap() -> int:
+    """Gives the heap's free pages back to the system (glibc's malloc_trim), as a load ends: its proofs
+    allocate and free hundreds of MB of random rows and scores, which glibc keeps for reuse (SmolLM2's
+    loaded process held 0.4 GB more for it). Returns 1 where memory was given back, 0 where nothing
+    was or there is no glibc (another libc, another system)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    trim = getattr(_libc(), "malloc_trim", None)
+    return int(trim(ctypes.c_size_t(0))) if trim is not None else 0
