@@ -276,6 +276,7 @@ def make_invariant(
             for module in layers:
                 module.max_rows = most
                 module.whole = whole.get(_shape(module), ())
+    mapped.trim_heap()  # the proofs' rows, freed: else later allocations grow the heap past them
     return padding
 
 
