@@ -2,10 +2,11 @@
 target's, position by position along the target's own greedy reply, unconstrained and under the schema of
 tools/bench/structured.py, by where each token sits in the JSON.
 
-The target's replies come from transformers' `generate` in float32 (tools/testkit/oracle.py: under
-llguidance's mask for the schema); at each position the draft (llama.cpp) is given the target's prefix
-and chooses as the edge's drafter does, under its own matcher of the schema in the schema's arm. A position
-the schema forces (one token allowed) is counted apart, as the acceptance counts it. The classes:
+The target's replies come from the verifier's engine alone (`reference`, float32 by default, whose greedy
+tokens equal transformers' `generate`: tests/exact), under its mask for the schema. At each position the
+draft (llama.cpp) is given the target's prefix and chooses as the edge's drafter does, under its own
+matcher of the schema in the schema's arm. A position the schema forces (one token allowed) is counted
+apart, as the acceptance counts it. The classes:
   string   inside a JSON string value
   json     the rest of the object: keys, quotes, braces, commas, numbers
   outside  before the object opens or after it closes (a fenced block's fence, prose)
@@ -103,31 +104,41 @@ def table(results: dict[str, Counter]) -> str:
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
+    from draftwire.contract import SessionSpec
     from edge_client.drafter import DrafterConfig, LlamaDrafter
-    from tools.testkit.oracle import transformers_constrained_greedy, transformers_greedy
+    from verifier_service.engine import TargetEngine
+    from verifier_service.session import reference_decode
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", type=Path, required=True, help="a pair's directory (target/, a .gguf draft)")
     ap.add_argument("--draft", type=Path, default=None, help="the GGUF draft (default: the pair's one)")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (float32: transformers' tokens)")
     ap.add_argument("--out", type=Path, default=None, help="write agreement.json and agreement.md here")
     args = ap.parse_args(argv)
     target = args.pair / "target"
     draft = args.draft or min(args.pair.glob("*.gguf"))
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = chat_turns(target, [q + ASK_JSON for q in CARD_PROMPTS[: args.prompts]])
+    engine = TargetEngine.load(target, dtype=args.dtype)
     replies = {
-        "unconstrained": transformers_greedy(target, prompts, args.new_tokens),
-        "JSON schema": transformers_constrained_greedy(target, prompts, args.new_tokens, CONSTRAINT),
+        arm: [
+            reference_decode(
+                engine, SessionSpec(tuple(p), max_new_tokens=args.new_tokens, constraint=constraint)
+            )
+            for p in prompts
+        ]
+        for arm, constraint in (("unconstrained", None), ("JSON schema", CONSTRAINT))
     }
+    del engine
     drafter = LlamaDrafter(DrafterConfig(draft, n_threads=0))
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     matchers = {"unconstrained": None, "JSON schema": drafter.constraint_matcher(CONSTRAINT, eos)}
     results = {arm: agreement(drafter, tokenizer, prompts, replies[arm], matchers[arm]) for arm in replies}
     head = (
         f"{args.prompts} chat prompts asking for the JSON, up to {args.new_tokens} tokens each, greedy; "
-        f"target {target} (transformers, float32), draft {draft.name} (llama.cpp)."
+        f"target {target} ({args.dtype}, alone), draft {draft.name} (llama.cpp)."
     )
     report = f"{head}\n\n{table(results)}\n"
     print(report)
