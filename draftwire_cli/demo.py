@@ -10,6 +10,7 @@ import grpc
 
 from draftwire import cpus
 from draftwire_cli import configs, sharing
+from draftwire_cli.serving import say_calibration
 from edge_client.chat import ChatConfig, chat
 from edge_client.llama_runtime import load_backends
 from edge_client.session import EdgeSession
@@ -23,6 +24,14 @@ def _server_config() -> ServerConfig:
     return ServerConfig(port=0, batch=BatchConfig(calibration_dir=configs.calibration_dir()))
 
 
+async def _start_verifier(engine: TargetEngine):
+    """The demo's verifier, started; says first where the start times the round sizes (once a machine,
+    target and dtype: seconds, tens of them on a 1.5B target)."""
+    config = _server_config()
+    say_calibration(engine, config)
+    return await start_server(engine, config)
+
+
 async def share_the_machine(engine: TargetEngine, draft_path: Path):
     """The drafter on its share of this process's CPUs, the target alone's speed measured on all of
     them (before they are divided), and the rest given to the verifier (draftwire_cli.sharing).
@@ -30,6 +39,11 @@ async def share_the_machine(engine: TargetEngine, draft_path: Path):
     split = cpus.split(cpus.usable())
     drafter = sharing.load_drafter(draft_path, split)
     prompt = await sharing.prompt_ids(engine, drafter)
+    # Seconds on a small target, 15 s or more on a 1.5B one on 2 cores: said, not silent.
+    print(
+        f"draftwire demo: timing the target alone ({sharing.TOKENS} tokens), to compare speculation with",
+        flush=True,
+    )
     alone, threads = sharing.target_alone(engine, prompt)
     sharing.divide(split)
     return drafter, prompt, lambda tps: sharing.Measured(tps, alone, threads, sharing.TOKENS, split)
@@ -39,7 +53,7 @@ async def run_demo(engine: TargetEngine, draft_path: Path, config: ChatConfig, p
     """The terminal chat against a verifier of `engine` (the target of the pair the caller found)."""
     print(f"draftwire demo: {load_backends().summary}")
     drafter, measure_prompt, measured = await share_the_machine(engine, draft_path)
-    server, port = await start_server(engine, _server_config())
+    server, port = await _start_verifier(engine)
     address = f"127.0.0.1:{port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
     try:
@@ -58,7 +72,7 @@ async def run_web_demo(engine: TargetEngine, draft_path: Path, port: int) -> int
 
     print(f"draftwire demo: {load_backends().summary}")
     drafter, measure_prompt, measured = await share_the_machine(engine, draft_path)
-    server, grpc_port = await start_server(engine, _server_config())
+    server, grpc_port = await _start_verifier(engine)
     address = f"127.0.0.1:{grpc_port}"
     print(f"draftwire demo: verifier for {engine.info.target_id} on {address}, draft {draft_path.name}")
     try:
