@@ -1,5 +1,7 @@
 """tools/bench/structured_agreement.py's classes of a reply's tokens: where in the JSON each one sits."""
 
+from collections import Counter
+
 from tools.bench.structured_agreement import json_classes, table
 
 
@@ -30,7 +32,5 @@ def test_brackets_quotes_and_escapes_inside_a_string_are_its_text():
 
 def test_the_table_counts_the_drafted_positions_without_the_forced_ones():
     tally = {("string", "n"): 4, ("string", "agree"): 3, ("forced", "n"): 6, ("forced", "agree"): 6}
-    from collections import Counter
-
     row = table({"JSON schema": Counter(tally)}).splitlines()[2]
     assert row.startswith("| JSON schema | 4 | 0.750 | 4, 0.750 | - | - | 6, 1.000 |")

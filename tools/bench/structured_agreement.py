@@ -102,8 +102,6 @@ def table(results: dict[str, Counter]) -> str:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
     from draftwire.contract import SessionSpec
     from edge_client.drafter import DrafterConfig, LlamaDrafter
     from verifier_service.engine import TargetEngine
@@ -119,7 +117,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     target = args.pair / "target"
     draft = args.draft or min(args.pair.glob("*.gguf"))
-    tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = chat_turns(target, [q + ASK_JSON for q in CARD_PROMPTS[: args.prompts]])
     engine = TargetEngine.load(target, dtype=args.dtype)
     replies = {
@@ -131,9 +128,10 @@ def main(argv=None) -> int:
         ]
         for arm, constraint in (("unconstrained", None), ("JSON schema", CONSTRAINT))
     }
+    # The draft's matcher ends at the target's end-of-sequence ids, as an edge's does (from GetModelInfo).
+    tokenizer, eos = engine.tokenizer, engine.info.eos_token_ids
     del engine
     drafter = LlamaDrafter(DrafterConfig(draft, n_threads=0))
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     matchers = {"unconstrained": None, "JSON schema": drafter.constraint_matcher(CONSTRAINT, eos)}
     results = {arm: agreement(drafter, tokenizer, prompts, replies[arm], matchers[arm]) for arm in replies}
     head = (
