@@ -41,7 +41,8 @@ async def share_the_machine(engine: TargetEngine, draft_path: Path):
     prompt = await sharing.prompt_ids(engine, drafter)
     # Seconds on a small target, 15 s or more on a 1.5B one on 2 cores: said, not silent.
     print(
-        f"draftwire demo: timing the target alone ({sharing.TOKENS} tokens), to compare speculation with",
+        f"draftwire demo: timing the target alone ({sharing.STEPS + 1} tokens, for a {sharing.TOKENS}-token "
+        "reply), to compare speculation with",
         flush=True,
     )
     alone, threads = sharing.target_alone(engine, prompt)

@@ -91,3 +91,16 @@ def test_threads_follow_the_affinity_not_the_machine():
         preexec_fn=lambda: os.sched_setaffinity(0, {one}),
     )
     assert out.stdout.split() == [f"({one},)", "1"]
+
+
+def test_the_demo_counts_the_target_alones_reply_from_its_prefill_and_timed_steps(monkeypatch):
+    # draftwire_cli.sharing.target_alone: a reply of 64 timed as its prefill and first token, then the
+    # mean step of 16 more; the arithmetic, with the replies' seconds scripted (1 s, then 1 s + 16 x 0.1).
+    from draftwire_cli import sharing
+
+    seconds = {1: 1.0, 17: 2.6}
+    monkeypatch.setattr(sharing, "_reply_seconds", lambda engine, prompt, tokens: seconds[tokens])
+    rate, _ = sharing.target_alone(None, [1, 2, 3], tokens=64, steps=16)
+    assert rate == pytest.approx(64 / (1.0 + 63 * 0.1))
+    seconds[17] = 0.9  # a second run faster than the first (noise): no negative step
+    assert sharing.target_alone(None, [1], tokens=64, steps=16)[0] == pytest.approx(64.0)
