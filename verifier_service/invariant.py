@@ -261,6 +261,7 @@ def make_invariant(
             module.repack()
             if holders[id(module.weight)] == 1:
                 _release_weight(module, files)
+        mapped.trim_heap()  # the released weights, back to the system before the proofs allocate
         padding = padding or choose_padding(time_paddings(linears))
         set_padding(model, padding)
     if check:

@@ -72,6 +72,13 @@ class GrowingLayer:
         if self._keys is not None and self.capacity > max(limit, self.length):
             self._resize(self._keys, max(limit, self.length))
 
+    def reserve(self, like: torch.Tensor, positions: int) -> None:
+        """Capacity for `positions` in whole blocks, made at once (no doubling on the way to them); the
+        layer's keys and values have `like`'s shape but for the positions."""
+        capacity = -(-positions // ROOM_BLOCK) * ROOM_BLOCK
+        if capacity > self.capacity:
+            self._resize(like, capacity)
+
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         target = max(2 * self.capacity, 64)
         if target > 64:  # whole key blocks: invariant attention reads to the next block's end in place

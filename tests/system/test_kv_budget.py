@@ -41,6 +41,22 @@ def test_a_limited_layer_never_grows_past_its_limit_unless_an_append_needs_it():
         assert free.capacity == capacity
 
 
+def test_a_reserved_layer_holds_its_positions_in_whole_blocks_without_doubling():
+    # The load's invariance check fills 1,100 positions and plays a round of 5 on them: reserved, the
+    # layer holds 1,536 (whole blocks of 512); appended alone it doubled to 2,560.
+    states = torch.arange(2 * 1100 * 4, dtype=torch.float32).reshape(1, 2, 1100, 4)
+    one = torch.zeros(1, 2, 5, 4)
+    doubled, reserved = GrowingLayer(), GrowingLayer()
+    reserved.reserve(states, 1105)
+    for layer in (doubled, reserved):
+        layer.append(states, states)
+        keys, _ = layer.append(one, one)
+        assert torch.equal(keys[..., :1100, :], states) and layer.length == 1105
+    assert (doubled.capacity, reserved.capacity) == (2560, 1536)
+    reserved.reserve(states, 100)  # never shrinks
+    assert reserved.capacity == 1536 and reserved.length == 1105
+
+
 def test_a_taken_cache_gives_back_capacity_past_the_new_sessions_limit():
     layer = GrowingLayer()
     states = torch.arange(2 * 200 * 4, dtype=torch.float32).reshape(1, 2, 200, 4)
