@@ -384,8 +384,11 @@ class Batcher:
 
 def calibration_file(directory: str, engine: Engine, positions: int) -> Path | None:
     """Where `calibrate` keeps the figures of this engine on this machine: named by what sets a
-    forward's time (the target, its numerics and padding, torch's threads, the CPU's model, the sizes);
-    None without a directory."""
+    forward's time (the target, its numerics, torch's threads, the CPU's model, the sizes); None without
+    a directory. Not by the padding of small calls: each load times the paddings and keeps the faster,
+    which flips between starts only where the two are about as fast (SmolLM2 on an AMD EPYC: 2, then 4,
+    then 2), and a flip cost the next start its figures (20-40 s of timing on a 1.5B target); the
+    figures are a start, which the rounds served refine (VerifierSession.play)."""
     if not directory:
         return None
     key = "|".join(
@@ -393,7 +396,6 @@ def calibration_file(directory: str, engine: Engine, positions: int) -> Path | N
         for part in (
             engine.info.target_id,
             engine.numerics.identity,
-            getattr(engine, "padding", None),
             torch.get_num_threads(),
             numerics_.cpu_model(),
             positions,
