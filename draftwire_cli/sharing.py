@@ -50,7 +50,7 @@ def target_alone(engine, prompt: list[int], tokens: int = TOKENS, steps: int = S
     """The target alone's tokens a second over a greedy reply of `tokens`, on the caller's CPUs and
     torch's threads as they are (as `serve` runs it), and those threads. Its prefill and first token are
     timed, then the same with `steps` tokens more; the reply's other steps are counted at the mean of
-    those (a step's cost barely moves over a short reply: 3 s where a whole 64-token reply took 7.6 s,
+    those (a step's cost barely moves over a short reply: 2 s where a whole 64-token reply took 6-7.6 s,
     SmolLM2 on 2 cores)."""
     import torch
 

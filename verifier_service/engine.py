@@ -274,7 +274,7 @@ class TargetEngine:
         """Session `key`, which a forward has made, holding `tokens` with random keys and values of its
         layers' own shapes (the same for the same generator state): a long context for a check, without
         its prefill. Its capacity is made once for `room` positions more (else the check's round would
-        double it: 2,560 positions held for 1,105 in each of the check's four sessions)."""
+        double it: 2,560 positions held for 1,105)."""
         state = generator.get_state()
         cache = self._cut(key, 0)
         for layer in cache.layers:

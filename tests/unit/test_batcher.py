@@ -201,8 +201,8 @@ def test_calibration_is_kept_for_the_next_start_of_the_same_engine_here(tmp_path
     second = FakeEngine()
     timed, kept = start(second)
     assert not timed and kept == figures and not second.batches
-    padded = FakeEngine()  # the faster padding of small calls, chosen at each load, flipped
-    padded.padding = 4 if getattr(first, "padding", None) != 4 else 2
+    padded = FakeEngine()  # another padding of small calls than the first start's (a FakeEngine has none)
+    padded.padding = 4
     timed, kept = start(padded)
     assert not timed and kept == figures
     other = FakeEngine()
