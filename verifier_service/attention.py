@@ -37,6 +37,18 @@ CAUSAL_ROWS = 256
 CAUSAL_MIN = 3 * CAUSAL_ROWS
 
 
+def whole(n: int, block: int) -> int:
+    """`n` rounded up to whole blocks of `block`."""
+    return -(-n // block) * block
+
+
+def key_span(first: int, end: int, window: int | None, block: int) -> tuple[int, int]:
+    """The whole key blocks that queries at positions first..end-1 read: from the block of the first
+    key the first query sees (0 without a sliding `window`) to the block past the last query's own."""
+    lo = 0 if window is None else max(0, first + 1 - window) // block * block
+    return lo, whole(end, block)
+
+
 def block_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -66,8 +78,7 @@ def block_attention(
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     first = held - n  # the position of the first query
-    base = 0 if window is None else max(0, first + 1 - window) // KEY_BLOCK * KEY_BLOCK
-    end = -(-held // KEY_BLOCK) * KEY_BLOCK
+    base, end = key_span(first, held, window, KEY_BLOCK)
     k, v = _blocks(keys[0], base, end), _blocks(values[0], base, end)  # [kv_heads, end - base, dim]
     q = query[0].float().reshape(kv_heads, group, n, dim) * scale
     out = query.new_empty(kv_heads, group, n, dim)
@@ -76,8 +87,7 @@ def block_attention(
         b = min(n, a + QUERY_CHUNK)
         m = b - a
         # Whole key blocks from the first any query of the chunk sees to the last query's own.
-        lo = 0 if window is None else max(0, first + a + 1 - window) // KEY_BLOCK * KEY_BLOCK
-        hi = -(-(first + b) // KEY_BLOCK) * KEY_BLOCK
+        lo, hi = key_span(first + a, first + b, window, KEY_BLOCK)
         rows = q[:, :, a:b].reshape(kv_heads, group * m, dim)
         if group * m < MIN_QUERY_ROWS:
             rows = torch.cat([rows, rows.new_zeros(kv_heads, MIN_QUERY_ROWS - group * m, dim)], 1)
@@ -127,10 +137,9 @@ def fused_attention(
     for a in range(0, n, step):
         b = min(n, a + step)
         m = b - a
-        lo = 0 if window is None else max(0, first + a + 1 - window) // FUSED_BLOCK * FUSED_BLOCK
-        hi = -(-(first + b) // FUSED_BLOCK) * FUSED_BLOCK
+        lo, hi = key_span(first + a, first + b, window, FUSED_BLOCK)
         rows = q[:, :, a:b].reshape(heads // fold, fold * m, dim)
-        padded = -(-fold * m // FUSED_ROWS) * FUSED_ROWS
+        padded = whole(fold * m, FUSED_ROWS)
         if padded > fold * m:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - fold * m))
         shape = ("fused", first + a, m, fold, lo, hi, window)
@@ -154,8 +163,7 @@ def _causal_prefill(
     running sums could not tell from blocks of weight exactly 0.
     # query [1, heads, n, dim]; keys, values [1, kv_heads, n, dim] -> [1, n, heads, dim]"""
     _, heads, n, dim = query.shape
-    padded = -(-n // CAUSAL_ROWS) * CAUSAL_ROWS
-    hi = -(-n // FUSED_BLOCK) * FUSED_BLOCK
+    padded, hi = whole(n, CAUSAL_ROWS), whole(n, FUSED_BLOCK)
     rows = torch.nn.functional.pad(query, (0, 0, 0, padded - n))
     k, v = (_blocks(s[0], 0, hi, query.dtype)[None] for s in (keys, values))
     result = torch.nn.functional.scaled_dot_product_attention(
@@ -247,8 +255,7 @@ class _BatchPlan:
             first = h - n
             for a in range(0, n, QUERY_CHUNK):
                 b = min(n, a + QUERY_CHUNK)
-                lo = 0 if window is None else max(0, first + a + 1 - window) // KEY_BLOCK * KEY_BLOCK
-                hi = -(-(first + b) // KEY_BLOCK) * KEY_BLOCK
+                lo, hi = key_span(first + a, first + b, window, KEY_BLOCK)
                 items.append((s, first + a, b - a, lo, hi, offset + a))
             offset += n
         self.items = items

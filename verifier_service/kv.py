@@ -22,6 +22,7 @@ from verifier_service.attention import (
     block_attention,
     fused_attention,
     softcapped_attention,
+    whole,
 )
 from verifier_service.settings import PrefixCacheConfig
 
@@ -75,14 +76,14 @@ class GrowingLayer:
     def reserve(self, like: torch.Tensor, positions: int) -> None:
         """Capacity for `positions` in whole blocks, made at once (no doubling on the way to them); the
         layer's keys and values have `like`'s shape but for the positions."""
-        capacity = _whole_blocks(positions)
+        capacity = whole(positions, ROOM_BLOCK)
         if capacity > self.capacity:
             self._resize(like, capacity)
 
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         target = max(2 * self.capacity, 64)
         if target > 64:  # whole key blocks: invariant attention reads to the next block's end in place
-            target = _whole_blocks(target)
+            target = whole(target, ROOM_BLOCK)
         if self.limit is not None:
             target = min(target, self.limit)
         self._resize(like, max(needed, target))
@@ -95,11 +96,6 @@ class GrowingLayer:
             keys[..., : self.length, :] = self._keys[..., : self.length, :]
             values[..., : self.length, :] = self._values[..., : self.length, :]
         self._keys, self._values = keys, values
-
-
-def _whole_blocks(positions: int) -> int:
-    """`positions` rounded up to whole ROOM_BLOCKs."""
-    return -(-positions // ROOM_BLOCK) * ROOM_BLOCK
 
 
 @dataclass
