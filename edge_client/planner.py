@@ -134,11 +134,16 @@ class GenerationStats:
         return self.decode_rate * self.step_s
 
     @property
+    def after_first_verdict(self) -> tuple[int, float]:
+        """The tokens committed after the first verdict, and the seconds after it: the rounds alone,
+        without the prefill and the first round (which commits one token alone, or several under
+        speculation), which benches sum over replies."""
+        return self.generated_tokens - max(self.first_tokens, 1), self.wall_s - (self.first_token_s or 0.0)
+
+    @property
     def decode_rate(self) -> float:
-        """Tokens/s after the first verdict: the rounds alone, without the prefill and the first round
-        (which commits one token alone, or several under speculation). 0 where nothing followed it."""
-        after_first = self.wall_s - (self.first_token_s or 0.0)
-        later = self.generated_tokens - max(self.first_tokens, 1)
+        """Tokens/s after the first verdict (after_first_verdict); 0 where nothing followed it."""
+        later, after_first = self.after_first_verdict
         return later / after_first if after_first > 0 and later > 0 else 0.0
 
     def as_json(self) -> dict:

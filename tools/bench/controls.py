@@ -113,9 +113,10 @@ async def run_all(config: ControlsConfig, log=print) -> dict:
                         t = totals[arm]
                         t["tokens"] += len(ids)
                         t["wall_s"] += stats.wall_s
-                        # From the first token on: the rounds, without either side's prefill.
-                        t["decode_tokens"] += len(ids) - 1
-                        t["decode_s"] += stats.wall_s - stats.first_token_s
+                        # After the first verdict: the rounds, without either side's prefill.
+                        later, seconds = stats.after_first_verdict
+                        t["decode_tokens"] += later
+                        t["decode_s"] += seconds
                         t["rounds"] += stats.rounds
                         t["drafted"] += stats.draft_tokens
                         t["accepted"] += stats.accepted_tokens
@@ -174,8 +175,8 @@ def markdown(report: dict) -> str:
         f"γ {c['gamma']}, pipeline {c['pipeline']}; verifier on cores {c['verifier_cpus']} "
         f"(dtype {c['dtype']}), edge and draft on {c['edge_cpus']}; {report['cpu']}.",
         "",
-        "Tokens/s over the whole reply (both sides' prefill included, no kept cache), and from the first",
-        "token on (the rounds alone); each prompt runs every arm, the first arm rotating.",
+        "Tokens/s over the whole reply (both sides' prefill included, no kept cache), and after the first",
+        "verdict (decode: the rounds alone); each prompt runs every arm, the first arm rotating.",
         "",
         "| arm | tokens/s | vs plain | decode tokens/s | vs plain | acceptance | tokens/round "
         "| wire bytes/round | wire bytes/token | draft ms/draft token | verify ms/round |",
