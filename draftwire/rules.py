@@ -192,16 +192,6 @@ def choose_tokens(logits: np.ndarray, first_position: int, params: SamplingParam
     return (scores + noise).argmax(axis=-1)
 
 
-def choice_probability(logits: np.ndarray, token: int, params: SamplingParams) -> float:
-    """The probability of `token` in the distribution choose_tokens draws from over `logits` [vocab]
-    (greedy: their softmax at temperature 1)."""
-    scores = np.asarray(logits, dtype=np.float64)
-    if not params.greedy:
-        scores = filtered_logits(scores[None], params)[0]
-    top = scores.max()
-    return float(np.exp(scores[token] - top) / np.exp(scores - top).sum())
-
-
 def count_accepted(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> int:
     """Length of the longest prefix of the draft equal to the target's choices.
 

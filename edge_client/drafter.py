@@ -17,7 +17,7 @@ import numpy as np
 from draftwire import cpus
 from draftwire.contract import Constraint, SamplingParams
 from draftwire.grammar import InvalidConstraint, Matcher, compile_constraint, table_tokenizer
-from draftwire.rules import adjusted_logits, choice_probability, choose_tokens, masked_logits
+from draftwire.rules import adjusted_logits, choose_tokens, masked_logits
 from draftwire.vocab import Vocabulary, tokens_from_llama, vocabulary_from_llama
 from edge_client.llama_runtime import Llama
 from edge_client.planner import DraftTokens
@@ -29,9 +29,6 @@ class DrafterConfig:
     n_ctx: int = 0  # context of the draft's KV cache; 0 takes the model's training context
     n_threads: int = 0  # 0: one per CPU of `cpus`, or of this process's affinity (draftwire.cpus)
     cpus: tuple[int, ...] = ()  # the CPUs the draft's threads run on (empty: the process's own)
-    # A proposal stops before a token after its first that the draft gives less than this probability
-    # (in the distribution it chooses from); 0: never. llama.cpp's --draft-p-min.
-    p_min: float = 0.0
 
 
 def grammar_tokenizer(llm, eos_token_ids: list[int]):
@@ -140,9 +137,6 @@ class LlamaDrafter(VocabOnly):
                 if masked:
                     scores = masked_logits(scores, matcher.allowed()[None])
                 new = [int(choose_tokens(scores, len(sequence) + len(draft), params)[0])]
-                p_min = self.config.p_min
-                if chosen and p_min and choice_probability(scores[0], new[0], params) < p_min:
-                    break
                 chosen += 1
             stop = next((i for i, t in enumerate(new) if t in stop_token_ids), None)
             if stop is not None:

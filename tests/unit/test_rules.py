@@ -10,7 +10,6 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from draftwire.contract import Finish, InvalidSampling, SamplingParams
 from draftwire.rules import (
-    choice_probability,
     choose_tokens,
     commit_round,
     count_accepted,
@@ -166,16 +165,3 @@ def test_keyed_sampling_follows_the_filtered_softmax(temperature, top_k, top_p):
         for seed in range(3000)
     ]
     assert chi_square_p(samples, probs) > 0.001
-
-
-def test_choice_probability_is_the_distribution_the_choice_draws_from():
-    logits = np.array([2.0, 1.0, -np.inf, 0.5])
-    # Greedy: the softmax at temperature 1 (a masked token has probability 0).
-    expected = torch.softmax(torch.tensor(logits), -1).numpy()
-    for token in range(4):
-        assert choice_probability(logits, token, SamplingParams()) == pytest.approx(expected[token])
-    # Sampled: after the temperature and top-k, as choose_tokens draws (top-2 of 3 finite tokens).
-    params = SamplingParams(0.5, seed=1, top_k=2)
-    kept = torch.softmax(torch.tensor([2.0, 1.0]) / 0.5, -1).numpy()
-    assert choice_probability(logits, 0, params) == pytest.approx(kept[0])
-    assert choice_probability(logits, 3, params) == 0.0

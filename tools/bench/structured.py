@@ -7,8 +7,6 @@ write). Arms, each prompt through all of them in turn, the first arm rotating:
   schema        the same under a JSON schema: the verifier masks every position, the draft proposes masked
   free-alone    the target alone (a thin session of no drafting), unconstrained
   schema-alone  the target alone under the schema
-  free-pmin, schema-pmin   with --draft-p-min P: free and schema, the draft stopping a proposal at a token
-                it gives less than P (DrafterConfig.p_min)
 
 Reports tokens/s, acceptance (of the draft model's tokens: those the schema forced, sent with no draft
 step, are counted apart), tokens per round, the speedup of each speculative arm over the target
@@ -56,7 +54,6 @@ ASK_JSON = (
     "from 0 to 10."
 )
 ARMS = ("free", "schema", "free-alone", "schema-alone")
-P_MIN_ARMS = ("free-pmin", "schema-pmin")  # with --draft-p-min: the speculative arms, the draft's stop on
 
 
 def request_for(arm: str, prompt, args) -> GenerationRequest:
@@ -77,28 +74,21 @@ async def run_all(args, log=print) -> dict:
         target, [q + (ASK_JSON if args.ask_json else "") for q in CARD_PROMPTS[: args.prompts]]
     )
     os.sched_setaffinity(0, args.edge_cpus)
-    draft = args.draft or smollm2.draft_path(args.pair)
-    drafter = LlamaDrafter(DrafterConfig(draft, n_threads=1))
-    arms = ARMS + (P_MIN_ARMS if args.draft_p_min else ())
+    drafter = LlamaDrafter(DrafterConfig(args.draft or smollm2.draft_path(args.pair), n_threads=1))
     flags = ["--max-gamma", "8", "--threads", str(len(args.verifier_cpus)), "--prefix-cache-mb", "0"]
     flags += ["--dtype", args.dtype]
     zero = dict.fromkeys(["tokens", "decode_tokens", "rounds", "drafted", "accepted", "forced"], 0)
     zero |= dict.fromkeys(["wall_s", "decode_s", "verify_s", "draft_s"], 0.0)
-    totals = {arm: dict(zero) for arm in arms}
-    outputs: dict[str, list] = {arm: [] for arm in arms}
+    totals = {arm: dict(zero) for arm in ARMS}
+    outputs: dict[str, list] = {arm: [] for arm in ARMS}
     with ServerProcess(target, *flags, cpus=args.verifier_cpus) as server:
         async with wire.insecure_channel(server.address) as channel:
-            sessions = {"": EdgeSession(channel, drafter)}
-            if args.draft_p_min:  # a drafter of its own, with the stop
-                stopping = LlamaDrafter(DrafterConfig(draft, n_threads=1, p_min=args.draft_p_min))
-                sessions["-pmin"] = EdgeSession(channel, stopping)
-            for session in sessions.values():  # warm both sides, and the matchers
-                await session.run(request_for("schema", prompts[0], args))
+            session = EdgeSession(channel, drafter)
+            await session.run(request_for("schema", prompts[0], args))  # warm both sides, and the matchers
             for i, prompt in enumerate(prompts):
                 log(f"prompt {i + 1}/{len(prompts)}")
-                turn = i % len(arms)
-                for arm in arms[turn:] + arms[:turn]:
-                    session = sessions["-pmin" if arm.endswith("-pmin") else ""]
+                turn = i % len(ARMS)
+                for arm in ARMS[turn:] + ARMS[:turn]:
                     ids, stats = await session.run(request_for(arm, prompt, args))
                     t = totals[arm]
                     t["tokens"] += len(ids)
@@ -140,9 +130,6 @@ async def run_all(args, log=print) -> dict:
     exact = {
         "schema = schema-alone": outputs["schema"] == outputs["schema-alone"],
         "free = free-alone": outputs["free"] == outputs["free-alone"],
-    } | {
-        f"{arm} = {arm.split('-')[0]}-alone": outputs[arm] == outputs[arm.split("-")[0] + "-alone"]
-        for arm in arms[len(ARMS) :]
     }
     parsed = sum(_parses(drafter, ids) for ids in outputs["schema"])
     return {
@@ -237,7 +224,6 @@ def main(argv=None) -> int:
         help="each question asks for the schema's JSON (ASK_JSON), in every arm",
     )
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--draft-p-min", type=float, default=0.0, help="DrafterConfig.p_min")
     ap.add_argument("--pipeline", type=int, default=1)
     ap.add_argument("--edge-cpus", type=lambda s: tuple(map(int, s.split(","))), default=(0,))
     ap.add_argument("--verifier-cpus", type=lambda s: tuple(map(int, s.split(","))), default=(1,))
